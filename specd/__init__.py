@@ -1,0 +1,7 @@
+"""specd: speculative decoding with adaptive draft stopping (see docs/ and DESIGN.md).
+
+The core package is pure: sampling, verification, stopping policies, the engine loop,
+models and statistics. It imports no gRPC, web framework or metrics library.
+"""
+
+__version__ = "0.1.0"

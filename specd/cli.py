@@ -1,0 +1,189 @@
+"""The `specd` command: generate (in-process engine) and train-head (SpecDec++ head).
+
+Every deliberate error is one line on stderr and exit status 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from specd import __version__
+from specd.errors import InvalidRequest, SpecdError
+
+DATA_DIR = Path(__file__).parent / "data"
+DEFAULT_HEAD = DATA_DIR / "specdecpp-smollm2-early-exit-4.safetensors"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _policy_param(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="embedded",
+                   help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
+    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram (default: ngram)")
+    p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
+    p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
+    p.add_argument("--draft-adapter", help="trained early-exit adapter (safetensors)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA if present)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
+                                                   "(auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
+                                                  "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specd", description="Speculative decoding with adaptive draft stopping.")
+    parser.add_argument("--version", action="version", version=f"specd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text in-process with speculative decoding")
+    g.add_argument("prompt", help="the prompt (a user message when --chat)")
+    _add_model_args(g)
+    g.add_argument("--policy", default="heuristic",
+                   help="none | constant | heuristic | max-confidence | svip | adaedl | adasd | "
+                        "specdec++ | oracle (default: heuristic; none = target alone)")
+    g.add_argument("--policy-param", type=_policy_param, action="append", default=[], metavar="NAME=VALUE",
+                   help="override a policy hyperparameter, e.g. --policy-param h=0.4 (repeatable)")
+    g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")
+    g.add_argument("--relaxed", action="store_true", help="AdaSD relaxed verification (LOSSY, adasd only)")
+    g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
+                                                       "head for the embedded early-exit-4 pair)")
+    g.add_argument("--task-tag", default="default", help="key of the shared adaptive policy state")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template (default: on)")
+    g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train-head", help="train the SpecDec++ acceptance head from target generations")
+    _add_model_args(t)
+    t.set_defaults(drafter="early-exit")
+    t.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    t.add_argument("--limit", type=int, default=40, help="prompts to use")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--epochs", type=int, default=30)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", type=Path, required=True, help="where to write the head (safetensors)")
+    t.set_defaults(func=cmd_train_head)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.func(args)
+    except SpecdError as e:
+        print(f"specd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _load(args):
+    from specd.drafters import build_drafter
+    from specd.models import load_model
+
+    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir)
+    draft_model = None
+    if args.drafter == "hf":
+        if not args.draft_model:
+            raise InvalidRequest("draft_model", "--drafter hf needs --draft-model DIR")
+        draft_model = load_model(args.draft_model, args.device, args.dtype, args.cache_dir)
+    drafter = build_drafter(args.drafter, target, draft_model, args.draft_layers, args.draft_adapter)
+    return target, drafter
+
+
+def _specdecpp_head(args, drafter):
+    from specd.policies import AcceptanceHead
+
+    path = args.specdecpp_head
+    if path is None and args.target_model in ("embedded", "smollm2-135m-instruct") \
+            and args.drafter == "early-exit" and args.draft_layers == 4:
+        path = DEFAULT_HEAD
+    return AcceptanceHead.load(path) if path is not None else None
+
+
+def cmd_generate(args) -> int:
+    from specd.engine import SpeculativeEngine
+    from specd.types import SamplingParams, SpecParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
+                              tuple(args.stop))
+    sampling.validate()
+    spec = SpecParams(args.policy, args.max_draft_tokens, dict(args.policy_param), args.task_tag,
+                      args.relaxed)
+    if not args.prompt.strip():
+        raise InvalidRequest("prompt", "must not be empty")
+    target, drafter = _load(args) if args.policy != "none" else (_load_target(args), None)
+    head = _specdecpp_head(args, drafter) if args.policy == "specdec++" else None
+    engine = SpeculativeEngine(target, drafter, specdecpp_head=head)
+    prompt = target.encode_prompt(args.prompt, args.chat)
+    reference = None
+    if args.policy == "oracle":  # analysis only: the oracle needs the target-only answer first
+        reference = SpeculativeEngine(target).generate(prompt, sampling, SpecParams("none")).token_ids
+    out = engine.generate(prompt, sampling, spec, reference)
+    stats = out.stats.to_dict()
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": stats}))
+    else:
+        print(out.text)
+        print(f"\n[{stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s = {stats['tokens_per_s']} tok/s | "
+              f"policy {stats['policy']}, drafter {stats['drafter']} | drafted {stats['drafted']}, "
+              f"accepted {stats['accepted']} ({stats['acceptance_rate']:.0%}), "
+              f"{stats['verifications']} verifications, {stats['mean_accepted_tokens']:.2f} tokens/verification"
+              f"{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
+    return 0
+
+
+def _load_target(args):
+    from specd.models import load_model
+
+    return load_model(args.target_model, args.device, args.dtype, args.cache_dir)
+
+
+def cmd_train_head(args) -> int:
+    from specd.training.specdecpp import train_head_from_prompts
+
+    target, drafter = _load(args)
+    started = time.perf_counter()
+    report = train_head_from_prompts(target, drafter, args.prompts, args.limit, args.max_new_tokens,
+                                     args.temperature, args.epochs, args.out, args.seed)
+    report["wall_time_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Drafters (DESIGN.md §2): hf, early-exit and ngram, and the registry that builds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specd.drafters.base import Drafter, DraftSession, DraftToken
+from specd.drafters.early_exit import EarlyExitDrafter
+from specd.drafters.hf import HfDrafter
+from specd.drafters.ngram import NgramDrafter
+from specd.errors import InvalidRequest
+from specd.models.loading import LoadedModel
+
+DRAFTERS = ("hf", "early-exit", "ngram")
+
+
+def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | None = None,
+                  draft_layers: int = 4, adapter_path: str | Path | None = None) -> Drafter:
+    if kind == "hf":
+        if draft_model is None:
+            raise InvalidRequest("draft_model", "the hf drafter needs a draft model directory")
+        return HfDrafter(draft_model, target)
+    if kind == "early-exit":
+        return EarlyExitDrafter(target, draft_layers, adapter_path)
+    if kind == "ngram":
+        return NgramDrafter()
+    raise InvalidRequest("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
+
+
+__all__ = ["DRAFTERS", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter", "HfDrafter",
+           "NgramDrafter", "build_drafter"]

@@ -1,0 +1,96 @@
+"""The drafter interface: a session proposes one token at a time after a token sequence.
+
+A session keeps whatever per-request state drafting needs (a KV cache, an n-gram
+continuation) and is told by `rollback` how much of the sequence survived verification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from specd.models.session import KVSession
+from specd.sampling import entropy, logits_to_probs, sample
+from specd.types import SamplingParams
+
+
+@dataclass(slots=True)
+class DraftToken:
+    token: int
+    q: torch.Tensor | None  # [V] distribution x was drawn from; None for a point mass
+    prob: float  # q(x)
+    max_prob: float
+    entropy: float  # H(q) in nats
+    hidden: torch.Tensor | None = None  # [H] draft hidden state that produced q
+
+
+class DraftSession(ABC):
+    @abstractmethod
+    def next(self, seq: list[int], params: SamplingParams, generator: torch.Generator | None,
+             want_hidden: bool) -> DraftToken | None:
+        """Propose the token after seq, or None when there is nothing worth proposing."""
+
+    @abstractmethod
+    def rollback(self, length: int) -> None:
+        """Only seq[:length] is still valid."""
+
+    def close(self) -> None:
+        """Free per-request memory."""
+
+
+class Drafter(ABC):
+    kind: ClassVar[str]
+    has_distribution: ClassVar[bool] = True
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Identifies the drafter's weights in shared policy state and statistics."""
+
+    @abstractmethod
+    def open(self) -> DraftSession:
+        """A fresh session for one request."""
+
+
+class ModelDraftSession(DraftSession):
+    """Drafting with a causal LM through a KV session (hf and early-exit drafters).
+
+    For greedy decoding the token is argmax and q is the temperature-1 softmax (what the
+    policies' confidence features and AdaSD's JS distance read); for sampling q is the
+    distribution after temperature/top-k/top-p, exactly what x is drawn from.
+    """
+
+    def __init__(self, kv: KVSession, vocab_size: int):
+        self.kv = kv
+        self.vocab_size = vocab_size  # the target's: draft logits are cropped or padded to it
+
+    def next(self, seq, params, generator, want_hidden):
+        logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
+        logits = _fit_vocab(logits[0], self.vocab_size)
+        if params.greedy:
+            q = logits.softmax(-1)
+            token = q.argmax()
+        else:
+            q = logits_to_probs(logits, params)
+            token = sample(q, generator)
+        # One host sync for everything the policy reads.
+        tok, prob, max_prob, h = torch.stack([token.float(), q[token], q.max(), entropy(q)]).tolist()
+        return DraftToken(int(tok), q, prob, max_prob, h, hidden[0] if hidden is not None else None)
+
+    def rollback(self, length: int) -> None:
+        self.kv.rollback(length)
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if logits.shape[-1] == vocab_size:
+        return logits
+    if logits.shape[-1] > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], -1)

@@ -1,0 +1,23 @@
+"""hf: a separate, smaller transformers model drafts (the classic setup, e.g.
+Qwen2.5-0.5B drafting for Qwen2.5-14B). It must share the target's tokenizer."""
+
+from __future__ import annotations
+
+from specd.drafters.base import Drafter, ModelDraftSession
+from specd.models.loading import LoadedModel, check_pair
+
+
+class HfDrafter(Drafter):
+    kind = "hf"
+
+    def __init__(self, draft: LoadedModel, target: LoadedModel):
+        check_pair(draft, target)
+        self.draft = draft
+        self.vocab_size = target.vocab_size
+
+    @property
+    def name(self) -> str:
+        return self.draft.name
+
+    def open(self) -> ModelDraftSession:
+        return ModelDraftSession(self.draft.session(), self.vocab_size)

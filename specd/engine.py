@@ -1,0 +1,273 @@
+"""The draft -> verify loop (Leviathan et al. 2023; Chen et al. 2023), with an adaptive
+stopping policy deciding after every drafted token whether to keep drafting.
+
+One round:
+  1. the drafter proposes x_1, x_2, ... after the committed tokens; after each, the policy
+     says continue / stop (or drop, for the oracle); the hard cap bounds the window;
+  2. the target runs one forward over [pending committed tokens, x_1..x_k] and yields
+     p_1..p_{k+1};
+  3. verification keeps the first n drafts and yields one recovered or bonus token;
+  4. both KV caches roll back to committed + accepted; the policy observes the outcome.
+With no drafter (policy "none") or an empty window a round is one plain decoding step,
+so target-only decoding is the same loop with k = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.drafters.base import Drafter
+from specd.errors import InvalidRequest
+from specd.models.loading import LoadedModel
+from specd.policies import NO_SPECULATION, Decision, PolicyResources, StoppingPolicy, build_policy
+from specd.sampling import logits_to_probs, sample
+from specd.state import MemoryStateStore, StateKey, StateStore
+from specd.stats import GenerationStats
+from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
+from specd.verify import Verdict, verify_greedy, verify_relaxed, verify_sampling
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated ids only (an EOS that ended generation is included)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+
+class SpeculativeEngine:
+    """Holds the models; each generate() call runs one request with its own KV caches."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
+                 state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.state_store = state_store if state_store is not None else MemoryStateStore()
+        self.specdecpp_head = specdecpp_head
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                 spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> Generation:
+        run = self.start(prompt_ids, sampling, spec, reference)
+        try:
+            for _ in run:
+                pass
+        finally:
+            run.close()
+        return run.result()
+
+    def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+              spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> "GenerationRun":
+        """A request to iterate round by round (each step yields the newly emitted ids)."""
+        return GenerationRun(self, list(prompt_ids), sampling, spec, reference)
+
+    def state_key(self, policy: str, task_tag: str) -> StateKey:
+        return StateKey(self.drafter.name if self.drafter else "-", self.target.name, policy, task_tag)
+
+
+class GenerationRun:
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], sampling: SamplingParams,
+                 spec: SpecParams, reference: Sequence[int] | None):
+        target = engine.target
+        sampling.validate(max_new_tokens_limit=target.max_context)
+        _validate_prompt(prompt, target)
+        self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
+        self.policy, self.drafter = self._build_policy(reference)
+        self.stats = GenerationStats(spec.policy, self.drafter.kind if self.drafter else None,
+                                     prompt_tokens=len(prompt), lossy=spec.relaxed)
+        self.seq = prompt  # committed tokens; drafts are appended during a round
+        self.prompt_len = len(prompt)
+        self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
+        self.generator = None
+        if not sampling.greedy:
+            self.generator = torch.Generator(device=target.device)
+            self.generator.manual_seed(sampling.seed if sampling.seed is not None
+                                       else int(torch.randint(0, 2**62, (1,))))
+        self.target_kv = target.session()
+        self.draft_session = self.drafter.open() if self.drafter else None
+        self.finish_reason: str | None = None
+        self.started = time.perf_counter()
+
+    # -- setup ------------------------------------------------------------------------------
+    def _build_policy(self, reference) -> tuple[StoppingPolicy | None, Drafter | None]:
+        spec, engine = self.spec, self.engine
+        if spec.policy == NO_SPECULATION:
+            if spec.relaxed:
+                raise InvalidRequest("relaxed", "relaxed verification needs the adasd policy")
+            return None, None
+        if engine.drafter is None:
+            raise InvalidRequest("policy", f"policy {spec.policy!r} needs a drafter; use policy 'none' "
+                                           "to decode with the target alone")
+        if spec.relaxed and spec.policy != "adasd":
+            raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
+        if spec.relaxed and not engine.drafter.has_distribution:
+            raise InvalidRequest("relaxed", "relaxed verification needs a drafter with a distribution")
+        if spec.policy == "oracle" and not self.sampling.greedy:
+            raise InvalidRequest("policy", "the oracle policy is defined for greedy decoding only")
+        overrides = dict(spec.policy_params)
+        if spec.max_draft_tokens is not None:
+            overrides["max_draft_tokens"] = spec.max_draft_tokens
+        resources = PolicyResources(tuple(reference) if reference is not None else None,
+                                    engine.specdecpp_head)
+        state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
+        return build_policy(spec.policy, overrides, state, resources), engine.drafter
+
+    # -- the loop ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.finish_reason is None:
+            new = self._round()
+            if new:
+                yield new
+
+    def _round(self) -> list[int]:
+        seq, stats = self.seq, self.stats
+        committed = len(seq)
+        drafts, qs, entropies, hit_cap = self._draft(committed)
+        k = len(drafts)
+
+        t0 = time.perf_counter()
+        logits, _ = self.target_kv.extend(seq[self.target_kv.length:], k + 1)  # [k+1, V]
+        del seq[committed:]  # drafts leave the committed sequence until verified
+        verdict = self._verify(logits, drafts, qs)
+        n = verdict.num_accepted
+        # The caches keep committed + accepted tokens; the new token is fed next round.
+        self.target_kv.rollback(committed + n)
+        if self.draft_session is not None:
+            self.draft_session.rollback(committed + n)
+        stats.verify_time_s += time.perf_counter() - t0
+
+        stats.verifications += 1
+        if k:
+            stats.drafted += k
+            stats.accepted += n
+            stats.relaxed_accepted += verdict.num_relaxed
+            stats.draft_lengths.append(k)
+            stats.accepted_lengths.append(n)
+            self.policy.observe(RoundOutcome(k, verdict.num_strict, tuple(entropies), hit_cap,
+                                             verdict.js_distances))
+        return self._commit(drafts[:n] + [verdict.next_token])
+
+    def _draft(self, committed: int) -> tuple[list[int], list, list[float], bool]:
+        drafts: list[int] = []
+        qs: list[torch.Tensor | None] = []
+        entropies: list[float] = []
+        if self.policy is None:
+            return drafts, qs, entropies, False
+        # A round emits k + 1 tokens: never draft past max_new_tokens or the context.
+        cap = min(self.policy.params.max_draft_tokens, self.max_len - committed - 1)
+        if cap <= 0:
+            return drafts, qs, entropies, False
+        t0 = time.perf_counter()
+        policy, session, seq = self.policy, self.draft_session, self.seq
+        policy.begin_round()
+        hit_cap = False
+        while True:
+            d = session.next(seq, self.sampling, self.generator, policy.needs_hidden)
+            if d is None:
+                break
+            step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
+                             d.prob, d.max_prob, d.entropy, d.hidden)
+            decision = policy.decide(step)
+            if decision is Decision.DROP:
+                break
+            seq.append(d.token)
+            drafts.append(d.token)
+            qs.append(d.q)
+            entropies.append(d.entropy)
+            if decision is Decision.STOP:
+                break
+            if len(drafts) >= cap:
+                hit_cap = True
+                break
+        self.stats.draft_time_s += time.perf_counter() - t0
+        return drafts, qs, entropies, hit_cap
+
+    def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list) -> Verdict:
+        sampling = self.sampling
+        draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if self.spec.relaxed and drafts:
+            # p and q as full distributions: at the sampling temperature, or T = 1 for greedy.
+            p = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+            return verify_relaxed(p, torch.stack(qs), draft, self.policy.relaxed_threshold(),
+                                  sampling.greedy, self.generator)
+        if sampling.greedy:
+            return verify_greedy(logits, draft)
+        p = logits_to_probs(logits, sampling)
+        if not drafts:
+            return Verdict(0, int(sample(p[0], self.generator)), 0)
+        q = torch.stack(qs) if qs[0] is not None else None
+        return verify_sampling(p, q, draft, self.generator)
+
+    def _commit(self, new: list[int]) -> list[int]:
+        """Append verified tokens, honouring EOS, max_new_tokens and stop strings exactly."""
+        eos = self.target.eos_token_ids
+        out: list[int] = []
+        for tok in new:
+            self.seq.append(tok)
+            out.append(tok)
+            if tok in eos:
+                self.finish_reason = "stop"
+                break
+            if len(self.seq) >= self.max_len:
+                self.finish_reason = "length"
+                break
+        if self.sampling.stop:
+            out = self._apply_stop_strings(out)
+        return out
+
+    def _apply_stop_strings(self, out: list[int]) -> list[int]:
+        """Cut generation at the first stop string: keep the fewest tokens that contain it."""
+        generated = self.seq[self.prompt_len:]
+        text = self.target.decode(generated)
+        if not any(s in text for s in self.sampling.stop):
+            return out
+        first_new = len(generated) - len(out)
+        for end in range(first_new + 1, len(generated) + 1):
+            if any(s in self.target.decode(generated[:end]) for s in self.sampling.stop):
+                del self.seq[self.prompt_len + end:]
+                self.finish_reason = "stop"
+                return out[:end - first_new]
+        return out
+
+    # -- results ----------------------------------------------------------------------------
+    def generated(self) -> list[int]:
+        return self.seq[self.prompt_len:]
+
+    def text(self) -> str:
+        text = self.target.decode(self.generated())
+        for s in self.sampling.stop:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+    def result(self) -> Generation:
+        return Generation(self.generated(), self.text() if self.target.tokenizer else "",
+                          self.finish_reason or "length", self.stats)
+
+    def close(self) -> None:
+        """Free both KV caches and save the policy's adaptive state (idempotent)."""
+        stats = self.stats
+        if self.target_kv.cache is None:
+            return
+        stats.wall_time_s = time.perf_counter() - self.started
+        stats.new_tokens = len(self.generated())
+        stats.finish_reason = self.finish_reason or "cancelled"
+        self.target_kv.close()
+        if self.draft_session is not None:
+            self.draft_session.close()
+        if self.policy is not None:
+            self.engine.state_store.save(self.engine.state_key(self.spec.policy, self.spec.task_tag),
+                                         self.policy.state())
+
+
+def _validate_prompt(prompt: list[int], target: LoadedModel) -> None:
+    if not prompt:
+        raise InvalidRequest("prompt", "must not be empty")
+    if len(prompt) >= target.max_context:
+        raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is "
+                                       f"{target.max_context} and at least one token must be generated")
+    if min(prompt) < 0 or max(prompt) >= target.vocab_size:
+        raise InvalidRequest("prompt", f"token ids must be in [0, {target.vocab_size})")

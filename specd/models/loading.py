@@ -1,0 +1,135 @@
+"""Loading draft and target models: the embedded default, any local transformers
+causal-LM directory, and checks that a draft/target pair shares a tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specd.errors import InvalidRequest, ModelError
+from specd.models.embedded import EMBEDDED_NAME, embedded_dir
+from specd.models.session import KVSession, hf_forward
+
+log = logging.getLogger(__name__)
+EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for KV sessions, with what the engine needs to know about it."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object | None  # a transformers tokenizer; None for id-only test models
+    device: torch.device
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def session(self) -> KVSession:
+        return KVSession(hf_forward(self.model), self.device)
+
+    def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
+        """Token ids of a prompt; chat=True applies the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ModelError(f"model {self.name} has no tokenizer")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise InvalidRequest("prompt", "must not be empty")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"model {self.name} has no chat template for messages")
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InvalidRequest("device", f"unknown device {device!r} (auto, cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device", "CUDA was asked for but no GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise InvalidRequest("dtype", f"unknown dtype {dtype!r} (auto, {', '.join(table)})")
+    return table[dtype]
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None) -> LoadedModel:
+    """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if spec in EMBEDDED_ALIASES:
+        path, name = embedded_dir(cache_dir), EMBEDDED_NAME
+    else:
+        path = Path(spec).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model path {spec!r} is not a transformers model directory "
+                             "(no config.json); nothing is downloaded at run time")
+        name = path.resolve().name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(dev)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load model from {path}: {e}") from e
+    model.eval()
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer))
+
+
+def _max_context(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary (token -> id), equal for interchangeable tokenizers."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def check_pair(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a draft/target pair that does not share one tokenizer."""
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
+            raise ModelError(f"draft {draft.name} and target {target.name} use different tokenizers; "
+                             "speculative decoding needs a shared vocabulary")
+    # Embedding tables are often padded past the tokenizer (e.g. Qwen2.5 0.5B vs 14B); ids the
+    # tokenizer can produce must exist in both.
+    n_tok = len(target.tokenizer) if target.tokenizer is not None else target.vocab_size
+    if min(draft.vocab_size, target.vocab_size) < n_tok:
+        raise ModelError(f"draft vocab {draft.vocab_size} and target vocab {target.vocab_size} "
+                         f"do not both cover the tokenizer's {n_tok} tokens")

@@ -1,0 +1,65 @@
+"""Per-request speculation statistics: plain numbers recorded by the engine; exporters
+(CLI JSON, REST spec_stats, Prometheus) read them.
+
+drafted / accepted count draft tokens; a verification is one target forward (the prefill
+counts as the first). Mean accepted tokens per verification (MAT) counts the recovered or
+bonus token each verification also yields: MAT = accepted / verifications + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    policy: str
+    drafter: str | None
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # tokens returned to the caller
+    drafted: int = 0
+    accepted: int = 0
+    relaxed_accepted: int = 0  # accepted only by AdaSD's lossy relaxed rule
+    verifications: int = 0
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per round
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens accepted per round
+    lossy: bool = False  # output may differ from the target alone (relaxed verification)
+    wall_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.accepted / self.verifications + 1.0 if self.verifications else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "drafter": self.drafter,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "discarded": self.drafted - self.accepted,
+            "relaxed_accepted": self.relaxed_accepted,
+            "verifications": self.verifications,
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "draft_lengths": list(self.draft_lengths),
+            "accepted_lengths": list(self.accepted_lengths),
+            "wall_time_s": round(self.wall_time_s, 4),
+            "draft_time_s": round(self.draft_time_s, 4),
+            "verify_time_s": round(self.verify_time_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "lossy": self.lossy,
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,1 @@
+"""Offline training of learned components (the SpecDec++ acceptance head, `specd train-head`)."""

@@ -1,0 +1,105 @@
+"""Verification of a draft window against the target (DESIGN.md §3.1).
+
+Given the target's distributions p over k+1 positions (k draft positions plus the bonus
+position) and the draft tokens x_1..x_k with their draft distributions q:
+
+- greedy: accept while x_i == argmax p_i; emit argmax p at the first mismatch (recovered
+  token) or argmax p_{k+1} after a full accept (bonus token);
+- sampling (Leviathan et al. 2023, Chen et al. 2023): accept x_i with probability
+  min(1, p_i(x_i) / q_i(x_i)); on the first rejection sample the recovered token from
+  norm(max(p_i - q_i, 0)); after a full accept sample the bonus token from p_{k+1}.
+  The emitted tokens are then distributed exactly as p (the target alone);
+- AdaSD relaxed (lossy, opt-in): additionally accept a rejected x_i when the JS distance
+  between p_i and q_i is below a threshold.
+
+A drafter without a distribution (n-gram) passes q = None, i.e. a point mass on x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specd.sampling import js_distance, sample
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    num_accepted: int  # leading draft tokens kept (including relaxed acceptances)
+    next_token: int  # recovered token (num_accepted < k) or bonus token (== k)
+    num_strict: int  # leading draft tokens the lossless rule alone accepts (first strict rejection)
+    num_relaxed: int = 0  # tokens accepted only by AdaSD's relaxed rule
+    js_distances: tuple[float, ...] = ()  # JS(p_i, q_i) per draft position, relaxed mode only
+
+
+def _first_false(ok: torch.Tensor) -> int:
+    """Index of the first False in a bool vector, or its length when all are True."""
+    bad = (~ok).nonzero()
+    return int(bad[0, 0]) if bad.numel() else ok.numel()
+
+
+def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> Verdict:
+    """target_logits [k+1, V], draft [k] -> accepted count and recovered/bonus token."""
+    best = target_logits.argmax(-1)  # [k+1]
+    k = draft.numel()
+    n = _first_false(best[:k] == draft)
+    return Verdict(n, int(best[n]), n)
+
+
+def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor,
+                    generator: torch.Generator | None) -> Verdict:
+    """p [k+1, V] target probs, q [k, V] draft probs (or None: point mass), draft [k]."""
+    k = draft.numel()
+    idx = torch.arange(k, device=draft.device)
+    p_x = p[idx, draft]  # [k]
+    q_x = q[idx, draft] if q is not None else torch.ones_like(p_x)
+    u = torch.rand(k, generator=generator, device=p.device)
+    # Accept x with probability min(1, p(x)/q(x)); written as u * q(x) <= p(x) to avoid 0/0.
+    n = _first_false(u * q_x <= p_x)
+    if n == k:
+        return Verdict(k, int(sample(p[k], generator)), k)
+    return Verdict(n, _sample_residual(p[n], q[n] if q is not None else None, int(draft[n]), generator), n)
+
+
+def _sample_residual(p: torch.Tensor, q: torch.Tensor | None, x: int,
+                     generator: torch.Generator | None) -> int:
+    """Sample from norm(max(p - q, 0)), the recovered-token distribution."""
+    if q is None:
+        residual = p.clone()
+        residual[x] = 0.0
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    if total <= 0:  # only reachable through float round-off when p == q
+        residual, total = p, p.sum()
+    return int(sample(residual / total, generator))
+
+
+def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, threshold: float | None,
+                   greedy: bool, generator: torch.Generator | None) -> Verdict:
+    """AdaSD: lossless rule first; a rejected x_i is still accepted when JS(p_i, q_i) < threshold.
+
+    p and q are full distributions here (softmax of the logits at the sampling temperature,
+    or at temperature 1 for greedy decoding, where the acceptance rule is argmax equality).
+    """
+    k = draft.numel()
+    js = js_distance(p[:k], q)  # [k]
+    idx = torch.arange(k, device=draft.device)
+    if greedy:
+        strict_ok = p[:k].argmax(-1) == draft
+    else:
+        u = torch.rand(k, generator=generator, device=p.device)
+        strict_ok = u * q[idx, draft] <= p[idx, draft]
+    n_strict = _first_false(strict_ok)
+    ok = strict_ok | (js < threshold) if threshold is not None else strict_ok
+    n = _first_false(ok)
+    js_list = tuple(js.tolist())
+    if n == k:
+        nxt = int(p[k].argmax()) if greedy else int(sample(p[k], generator))
+    elif greedy:
+        nxt = int(p[n].argmax())
+    else:
+        nxt = _sample_residual(p[n], q[n], int(draft[n]), generator)
+    num_relaxed = int((~strict_ok[:n]).sum())
+    return Verdict(n, nxt, n_strict, num_relaxed, js_list)

@@ -1,0 +1,96 @@
+"""`specd generate`: the --json shape and one-line errors (exit 2, no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specd.cli import main
+
+
+def run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_shape(tiny_dirs, capsys):
+    target, draft = map(str, tiny_dirs)
+    code, out, err = run(["generate", "hello", "--target-model", target, "--drafter", "hf", "--draft-model",
+                          draft, "--policy", "adaedl", "--max-new-tokens", "12", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert set(doc) == {"text", "token_ids", "stats"}
+    assert len(doc["token_ids"]) <= 12 and isinstance(doc["text"], str)
+    stats = doc["stats"]
+    for key in ("drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate",
+                "draft_lengths", "wall_time_s", "tokens_per_s", "lossy"):
+        assert key in stats
+    assert stats["lossy"] is False and stats["policy"] == "adaedl"
+    assert sum(stats["draft_lengths"]) == stats["drafted"]
+
+
+def test_greedy_policies_agree_with_none(tiny_dirs, capsys):
+    target, draft = map(str, tiny_dirs)
+    outs = {}
+    for policy in ("none", "svip", "heuristic"):
+        code, out, err = run(["generate", "hi there", "--target-model", target, "--drafter", "hf",
+                              "--draft-model", draft, "--policy", policy, "--max-new-tokens", "16",
+                              "--json"], capsys)
+        assert code == 0, err
+        outs[policy] = json.loads(out)["token_ids"]
+    assert outs["svip"] == outs["none"] == outs["heuristic"]
+
+
+BAD = [
+    (["--policy", "fastest"], "policy"),
+    (["--drafter", "magic"], "drafter"),
+    (["--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--max-new-tokens", "100000000"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--policy-param", "k=0"], "policy_params.k"),
+    (["--policy-param", "bogus=1"], "policy_params.bogus"),
+    (["--policy-param", "k"], "NAME=NUMBER"),
+    (["--max-draft-tokens", "0"], "max_draft_tokens"),
+    (["--draft-layers", "99", "--drafter", "early-exit"], "draft_layers"),
+    (["--relaxed"], "relaxed"),
+    (["--drafter", "hf"], "draft_model"),
+    (["--drafter", "hf", "--draft-model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--device", "tpu"], "device"),
+    (["--max-new-tokens", "ten"], "max-new-tokens"),
+]
+
+
+@pytest.mark.parametrize("extra, mention", BAD)
+def test_bad_input_is_one_line(tiny_dirs, capsys, extra, mention):
+    argv = ["generate", "hello", "--target-model", str(tiny_dirs[0]), "--policy", "constant", *extra]
+    if "--policy" in extra:
+        argv[argv.index("constant") - 1:argv.index("constant") + 1] = []
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert mention in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_empty_prompt_missing_model_and_long_prompt(tiny_dirs, capsys):
+    for argv, mention in [
+        (["generate", "   ", "--target-model", str(tiny_dirs[0])], "prompt"),
+        (["generate", "hi", "--target-model", "/no/such/dir"], "/no/such/dir"),
+        (["generate", "x" * 600, "--target-model", str(tiny_dirs[0]), "--no-chat"], "context"),
+    ]:
+        code, out, err = run(argv, capsys)
+        assert code == 2 and mention in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_reports_argparse_errors_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "specd", "generate", "hi", "--max-new-tokens", "ten"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "max-new-tokens" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

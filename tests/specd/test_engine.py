@@ -1,0 +1,159 @@
+"""The draft -> verify loop on tiny models: greedy output identical to the target alone for
+every policy x drafter, exact EOS / max_new_tokens / stop-string handling, shared state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
+from specd.engine import SpeculativeEngine
+from specd.errors import InvalidRequest
+from specd.models.tiny import loaded, tiny_llama
+from specd.policies import POLICIES, AcceptanceHead
+from specd.state import MemoryStateStore
+from specd.types import SamplingParams, SpecParams
+
+PROMPTS = [[5, 9, 17, 33, 5, 9, 17], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [77, 3, 77, 3, 77]]
+N = 32
+
+
+def drafters(target, draft):
+    return {"hf": HfDrafter(draft, target), "early-exit": EarlyExitDrafter(target, 2), "ngram": NgramDrafter()}
+
+
+@pytest.fixture(scope="module")
+def random_head(tiny_target):
+    torch.manual_seed(3)
+    return AcceptanceHead(tiny_target.model.config.hidden_size, depth=2, width=32).eval()
+
+
+@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_equals_target_alone(tiny_target, tiny_draft, hf_greedy, random_head, policy, drafter_kind):
+    drafter = drafters(tiny_target, tiny_draft)[drafter_kind]
+    engine = SpeculativeEngine(tiny_target, drafter, specdecpp_head=random_head)
+    if policy == "specdec++" and drafter_kind == "ngram":
+        pytest.skip("specdec++ reads a draft model's hidden state; the n-gram drafter has none")
+    for prompt in PROMPTS:
+        want = hf_greedy(tiny_target.model, prompt, N)
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=N), SpecParams(policy), reference=want)
+        assert out.token_ids == want, f"{policy}/{drafter_kind} diverged on {prompt}"
+        assert out.finish_reason == "length"
+        s = out.stats
+        assert s.accepted <= s.drafted and s.new_tokens == N
+        assert sum(s.draft_lengths) == s.drafted and sum(s.accepted_lengths) == s.accepted
+
+
+def test_speculation_actually_happens(tiny_target, tiny_draft):
+    """A test of losslessness is empty if nothing is ever accepted: the noisy draft must be useful."""
+    out = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target)).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("constant"))
+    assert 0.2 < out.stats.acceptance_rate < 1.0
+    assert out.stats.verifications < N
+
+
+def test_oracle_discards_nothing(tiny_target, tiny_draft, hf_greedy):
+    want = hf_greedy(tiny_target.model, PROMPTS[0], N)
+    out = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target)).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("oracle"), reference=want)
+    assert out.stats.accepted == out.stats.drafted
+    assert out.stats.mean_accepted_tokens > 1.0
+
+
+def test_max_new_tokens_inside_a_window(tiny_target, hf_greedy):
+    """With a perfect drafter and K=5, max_new_tokens=7 falls inside the second window."""
+    same = HfDrafter(tiny_target, tiny_target)
+    want = hf_greedy(tiny_target.model, PROMPTS[1], 7)
+    out = SpeculativeEngine(tiny_target, same).generate(
+        PROMPTS[1], SamplingParams(max_new_tokens=7), SpecParams("constant", policy_params={"k": 5}))
+    assert out.token_ids == want and len(out.token_ids) == 7
+    assert out.stats.draft_lengths == [5, 1]  # the cap shrinks the last window: no overshoot
+
+
+def test_eos_in_the_middle_of_a_window(tiny_target, hf_greedy):
+    free = hf_greedy(tiny_target.model, PROMPTS[0], N)
+    eos = free[8]  # make the 9th generated token the end of sequence
+    target = loaded(tiny_target.model, "tiny-eos")
+    target.eos_token_ids = frozenset([eos])
+    want = hf_greedy(tiny_target.model, PROMPTS[0], N, eos=eos)
+    assert want[-1] == eos and len(want) <= 9
+    out = SpeculativeEngine(target, HfDrafter(target, target)).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("constant", policy_params={"k": 6}))
+    assert out.token_ids == want
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_dirs):
+    from specd.models import load_model
+
+    target = load_model(str(tiny_dirs[0]), device="cpu")
+    engine = SpeculativeEngine(target, NgramDrafter())
+    prompt = target.encode_prompt("hello there", chat=True)
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=30), SpecParams("constant"))
+    stop = free.text[10:12]
+    assert len(stop) == 2
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=30, stop=(stop,)), SpecParams("constant"))
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop)]
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert stop in target.decode(out.token_ids) and stop not in target.decode(out.token_ids[:-1])
+
+
+def test_adaptive_state_persists_across_requests(tiny_target, tiny_draft):
+    store = MemoryStateStore()
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target), store)
+    engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=20), SpecParams("max-confidence", task_tag="a"))
+    saved = store.load(engine.state_key("max-confidence", "a"))
+    assert set(saved) == {"lam", "ar"} and saved["lam"] != 0.6
+    assert store.load(engine.state_key("max-confidence", "b")) == {}
+
+
+def test_relaxed_mode_is_flagged_lossy(tiny_target, tiny_draft):
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target))
+    out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=30), SpecParams("adasd", relaxed=True))
+    assert out.stats.lossy and len(out.token_ids) == 30
+    strict = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=30), SpecParams("adasd"))
+    assert not strict.stats.lossy and strict.stats.relaxed_accepted == 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"spec": SpecParams("nope")}, "policy"),
+    ({"spec": SpecParams("constant", relaxed=True)}, "relaxed"),
+    ({"spec": SpecParams("constant", policy_params={"k": 0})}, "policy_params.k"),
+    ({"spec": SpecParams("constant", max_draft_tokens=-1)}, "policy_params.max_draft_tokens"),
+    ({"sampling": SamplingParams(temperature=-1)}, "temperature"),
+    ({"sampling": SamplingParams(top_p=0)}, "top_p"),
+    ({"sampling": SamplingParams(max_new_tokens=0)}, "max_new_tokens"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1] * 600}, "prompt"),
+    ({"prompt": [100000]}, "prompt"),
+    ({"spec": SpecParams("oracle"), "sampling": SamplingParams(temperature=1.0)}, "policy"),
+])
+def test_bad_requests_name_the_field(tiny_target, tiny_draft, kwargs, field):
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target))
+    with pytest.raises(InvalidRequest) as err:
+        engine.generate(kwargs.get("prompt", PROMPTS[0]), kwargs.get("sampling", SamplingParams()),
+                        kwargs.get("spec", SpecParams()))
+    assert err.value.field == field
+
+
+def test_policy_needs_a_drafter(tiny_target):
+    with pytest.raises(InvalidRequest, match="needs a drafter"):
+        SpeculativeEngine(tiny_target).generate(PROMPTS[0], SamplingParams(), SpecParams("svip"))
+
+
+def test_target_alone_is_plain_decoding(tiny_target, hf_greedy):
+    out = SpeculativeEngine(tiny_target).generate(PROMPTS[2], SamplingParams(max_new_tokens=N), SpecParams("none"))
+    assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[2], N)
+    assert out.stats.drafted == 0 and out.stats.verifications == N
+
+
+def test_closing_a_run_frees_its_caches(tiny_target, tiny_draft):
+    run = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target)).start(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("constant"))
+    next(iter(run))
+    assert run.target_kv.length > 0
+    run.close()
+    assert run.target_kv.cache is None and run.draft_session.kv.cache is None
+    assert run.result().stats.finish_reason == "cancelled"

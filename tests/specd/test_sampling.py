@@ -1,0 +1,125 @@
+"""Tests of specd.sampling: the distribution tokens are drawn from, entropy and JS distance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specd.sampling import entropy, js_distance, logits_to_probs, sample
+from specd.types import SamplingParams
+
+
+def _logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.7, 1.0, 2.0, 10.0])
+def test_temperature_is_scaled_softmax(temperature):
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0], [0.0, 0.0, 1.0, -4.0, 2.5]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature))
+    torch.testing.assert_close(probs, torch.softmax(logits / temperature, -1))
+    assert probs.dtype == torch.float32
+
+
+def test_higher_temperature_flattens():
+    logits = torch.tensor([3.0, 1.0, 0.0, -2.0])
+    cold = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    hot = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    assert float(entropy(hot)) > float(entropy(cold))
+    assert float(cold.max()) > float(hot.max())
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 5])
+def test_top_k_keeps_exactly_k_most_likely(top_k):
+    logits = torch.tensor([[0.1, 2.0, -1.0, 3.0, 0.7, 1.5], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=top_k))
+    kept = probs > 0
+    assert kept.sum(-1).tolist() == [top_k, top_k]
+    for row in range(2):
+        top = set(torch.topk(logits[row], top_k).indices.tolist())
+        assert set(kept[row].nonzero().flatten().tolist()) == top
+        # the kept tokens keep their relative odds: a softmax over the kept logits only
+        idx = sorted(top)
+        torch.testing.assert_close(probs[row, idx], torch.softmax(logits[row, idx], -1))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("top_k", [0, 6, 100])
+def test_top_k_off_or_at_least_vocab_keeps_everything(top_k):
+    logits = torch.tensor([0.1, 2.0, -1.0, 3.0, 0.7, 1.5])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=top_k))
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+
+
+@pytest.mark.parametrize("top_p, num_kept", [
+    (0.3, 1), (0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)])
+def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, num_kept):
+    probs_in = [0.15, 0.5, 0.05, 0.3]  # sorted: 0.5, 0.3, 0.15, 0.05 (cumulative 0.5, 0.8, 0.95, 1)
+    probs = logits_to_probs(_logits(probs_in), SamplingParams(temperature=1.0, top_p=top_p))
+    kept = (probs > 0).nonzero().flatten().tolist()
+    order = [1, 3, 0, 2]  # token ids by decreasing probability
+    assert sorted(kept) == sorted(order[:num_kept])
+    expected = torch.zeros(4)
+    mass = sum(probs_in[i] for i in order[:num_kept])
+    for i in order[:num_kept]:
+        expected[i] = probs_in[i] / mass
+    torch.testing.assert_close(probs, expected)
+
+
+def test_top_k_then_top_p_compose():
+    # top-k 3 renormalises [0.5, 0.3, 0.15] to [0.526, 0.316, 0.158]; top-p 0.8 then needs 2 tokens
+    probs = logits_to_probs(_logits([0.5, 0.3, 0.15, 0.05]),
+                            SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    torch.testing.assert_close(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_greedy_is_point_mass_at_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 3.0], [9.0, 2.0, -1.0, 3.0], [0.0, 0.0, 7.0, -3.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.5))
+    expected = torch.zeros(3, 4)
+    expected[0, 3] = expected[1, 0] = expected[2, 2] = 1.0
+    assert torch.equal(probs, expected)
+
+
+def test_sample_draws_from_each_row():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    assert sample(probs, g).tolist() == [1, 2]
+    assert sample(probs[0], g).shape == ()
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 6, 1000])
+def test_entropy_of_uniform_is_log_v(vocab):
+    assert float(entropy(torch.full((vocab,), 1.0 / vocab))) == pytest.approx(math.log(vocab), abs=1e-5)
+
+
+def test_entropy_point_mass_zero_and_known_value():
+    assert float(entropy(torch.tensor([0.0, 1.0, 0.0]))) == 0.0
+    p = [0.5, 0.25, 0.25]
+    assert float(entropy(torch.tensor(p))) == pytest.approx(-sum(x * math.log(x) for x in p), rel=1e-6)
+    rows = entropy(torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
+    torch.testing.assert_close(rows, torch.tensor([0.0, math.log(2)]))
+
+
+def test_js_distance_zero_for_equal_one_for_disjoint():
+    p = torch.tensor([0.2, 0.3, 0.5, 0.0])
+    assert float(js_distance(p, p)) == pytest.approx(0.0, abs=1e-3)
+    a = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    b = torch.tensor([0.0, 0.0, 0.25, 0.75])
+    assert float(js_distance(a, b)) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_js_distance_symmetric_bounded_and_known_value():
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(8, 10, generator=g).softmax(-1)
+    q = torch.rand(8, 10, generator=g).pow(4).softmax(-1)
+    d_pq, d_qp = js_distance(p, q), js_distance(q, p)
+    assert d_pq.shape == (8,)
+    torch.testing.assert_close(d_pq, d_qp)
+    assert bool(((d_pq > 0) & (d_pq < 1)).all())
+    # p = [1, 0], q = [0.5, 0.5]: m = [0.75, 0.25], JSD = 1 - 0.75 * log2(3) / 2 in bits
+    jsd = 0.5 * math.log2(1 / 0.75) + 0.5 * (0.5 * math.log2(0.5 / 0.75) + 0.5 * math.log2(0.5 / 0.25))
+    got = float(js_distance(torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])))
+    assert got == pytest.approx(math.sqrt(jsd), rel=1e-5)
