@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -55,10 +54,12 @@ def _check(f: dataclasses.Field, value: Any, where: str) -> Any:
     want_int = isinstance(f.default, int) and not isinstance(f.default, bool)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(where, f"must be a number, got {value!r}")
-    if want_int and float(value) != int(value):
+    lo, hi = f.metadata["lo"], f.metadata["hi"]
+    # Compare before converting: this also rejects nan, +-inf and huge ints (JSON allows all three).
+    if not lo <= value <= hi:
+        raise InvalidRequest(where, f"must be in [{lo}, {hi}], got {value!r}")
+    if want_int and value != int(value):
         raise InvalidRequest(where, f"must be an integer, got {value!r}")
-    if not math.isfinite(value) or not (f.metadata["lo"] <= value <= f.metadata["hi"]):
-        raise InvalidRequest(where, f"must be in [{f.metadata['lo']}, {f.metadata['hi']}], got {value!r}")
     return int(value) if want_int else float(value)
 
 

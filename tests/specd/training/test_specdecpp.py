@@ -97,12 +97,13 @@ def test_draft_forward_fn_refuses_a_drafter_without_hidden_states():
 
 def test_head_learns_a_separable_problem():
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2000, 32, generator=gen)
-    hard = hidden[:, 0] + 0.5 * hidden[:, 1] > 0.3
-    head, report = train_head(hidden, hard.float(), hard, width=64, epochs=15, lr=3e-3, seed=0)
+    hidden = torch.randn(2000, 8, generator=gen)
+    hidden[:, 0] += torch.where(hidden[:, 0] > 0, 0.5, -0.5)  # a margin of 1 around x0 = 0
+    hard = hidden[:, 0] > 0
+    head, report = train_head(hidden, hard.float(), hard, width=32, epochs=8, lr=3e-3, batch_size=64, seed=0)
     assert report["num_val"] == 200 and report["num_train"] == 1800
     assert report["val_accuracy"] > 0.95
-    assert 0 < report["val_mean_predicted_acceptance"] < 1
+    assert abs(report["val_mean_predicted_acceptance"] - report["val_base_rate"]) < 0.1
 
 
 def test_saved_head_loads_with_identical_outputs(tmp_path):
