@@ -37,7 +37,8 @@ def _policy_param(text: str) -> tuple[str, float]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram (default: ngram)")
+    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram (generate's default: ngram; "
+                                                      "train-head's: early-exit)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
     p.add_argument("--draft-adapter", help="trained early-exit adapter (safetensors)")
@@ -129,10 +130,13 @@ def _specdecpp_head(args, drafter):
     from specd.policies import AcceptanceHead
 
     path = args.specdecpp_head
+    # The bundled head was trained on the embedded pair's untrained early-exit-4 hidden states.
     if path is None and args.target_model in ("embedded", "smollm2-135m-instruct") \
-            and args.drafter == "early-exit" and args.draft_layers == 4:
+            and args.drafter == "early-exit" and args.draft_layers == 4 and not args.draft_adapter:
         path = DEFAULT_HEAD
-    return AcceptanceHead.load(path) if path is not None else None
+    if path is None:
+        return None
+    return AcceptanceHead.load(path).to(drafter.target.device if hasattr(drafter, "target") else "cpu")
 
 
 def cmd_generate(args) -> int:

@@ -69,7 +69,7 @@ class ModelDraftSession(DraftSession):
 
     def next(self, seq, params, generator, want_hidden):
         logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
-        logits = _fit_vocab(logits[0], self.vocab_size)
+        logits = fit_vocab(logits[0], self.vocab_size)
         if params.greedy:
             q = logits.softmax(-1)
             token = q.argmax()
@@ -87,7 +87,7 @@ class ModelDraftSession(DraftSession):
         self.kv.close()
 
 
-def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if logits.shape[-1] == vocab_size:
         return logits
     if logits.shape[-1] > vocab_size:

@@ -62,7 +62,10 @@ class AcceptanceHead(nn.Module):
         if meta.get("specd") != "specdec++-head":
             raise ModelError(f"{path} is not a specdec++ head file")
         head = cls(**json.loads(meta["config"]))
-        head.load_state_dict(load_file(str(path)))
+        try:
+            head.load_state_dict(load_file(str(path)))
+        except RuntimeError as e:
+            raise ModelError(f"{path} is a damaged specdec++ head: {e}") from e
         return head.eval()
 
 
@@ -85,6 +88,7 @@ class SpecDecPPPolicy(StoppingPolicy):
         if self.head is None:
             raise InvalidRequest("policy", "specdec++ needs a trained head (--specdecpp-head PATH; "
                                            "make one with `specd train-head`)")
+        self.hidden_size = self.head.config["hidden_size"]
 
     def begin_round(self) -> None:
         self.p_all_accepted = 1.0
@@ -93,8 +97,10 @@ class SpecDecPPPolicy(StoppingPolicy):
     def decide(self, step: DraftStep) -> Decision:
         if step.hidden is None:
             raise InvalidRequest("drafter", "specdec++ needs a model drafter with hidden states")
-        head = self.head
-        self.p_all_accepted *= float(torch.sigmoid(head(step.hidden.to(head.out.weight.device))))
+        if step.hidden.shape[-1] != self.hidden_size:
+            raise InvalidRequest("specdecpp_head", f"the head expects hidden size {self.hidden_size}, "
+                                                   f"the drafter has {step.hidden.shape[-1]}")
+        self.p_all_accepted *= float(torch.sigmoid(self.head(step.hidden)))
         if step.index >= self.params.min_draft and 1.0 - self.p_all_accepted > self.params.h:
             return Decision.STOP
         return Decision.CONTINUE

@@ -1,5 +1,5 @@
 """Offline training of the SpecDec++ acceptance head (Huang et al. 2024, "SpecDec++:
-Boosting Speculative Decoding via Adaptive Candidate Lengths", §4.2 and Appendix).
+Boosting Speculative Decoding via Adaptive Candidate Lengths").
 
 The head (specd.policies.specdecpp.AcceptanceHead) reads the draft's last hidden state h_t
 and predicts the probability that the token drafted from it is accepted. Pipeline:
@@ -15,8 +15,9 @@ and predicts the probability that the token drafted from it is accepted. Pipelin
          hard label  a_t = [argmax q_t == argmax p_t]   (acceptance under greedy decoding)
   3. train_head: weighted binary cross-entropy, the rejection term weighted by w_rej
          L = -mean( y log sigmoid(z) + w_rej (1 - y) log(1 - sigmoid(z)) )
-     which biases the head towards predicting rejection: a missed rejection wastes a whole
-     target forward, a missed acceptance only one draft step.
+     Rejections are the rare class for a well-matched pair, and predicting acceptance past
+     a rejection wastes every later draft token, so the head is biased towards rejection:
+     for a soft label y the loss is minimised at sigmoid(z) = y / (y + w_rej (1 - y)).
 
 Simplification: the replacement token at t is drawn from q conditioned on the *unmixed*
 prefix (one extra draft forward instead of one per token), and the target tokens after a
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specd.drafters.base import Drafter, _fit_vocab
+from specd.drafters.base import Drafter, fit_vocab
 from specd.drafters.early_exit import EarlyExitDrafter
 from specd.drafters.hf import HfDrafter
 from specd.engine import SpeculativeEngine
@@ -84,7 +85,7 @@ def _teacher_forced(forward: ForwardFn, seq: list[int], prompt_len: int, vocab_s
     len-2, i.e. the T = len - prompt_len positions that predict the generated tokens."""
     ids = torch.tensor([seq], dtype=torch.long, device=device)
     logits, hidden = forward(ids, DynamicCache(), len(seq) - prompt_len + 1, want_hidden)
-    logits = _fit_vocab(logits.float(), vocab_size)[:-1].to(device)
+    logits = fit_vocab(logits.float(), vocab_size)[:-1].to(device)
     return logits, (hidden[:-1].float().to(device) if hidden is not None else None)
 
 
@@ -146,13 +147,29 @@ def weighted_bce(logits: torch.Tensor, soft: torch.Tensor, w_rej: float) -> torc
     return -(soft * F.logsigmoid(logits) + w_rej * (1 - soft) * F.logsigmoid(-logits)).mean()
 
 
+def auc(scores: torch.Tensor, positive: torch.Tensor) -> float:
+    """Area under the ROC curve: P(score of an accepted example > score of a rejected one)
+    (Mann-Whitney U; ties count one half). NaN when one class is absent."""
+    num_pos = int(positive.sum())
+    num_neg = len(positive) - num_pos
+    if not num_pos or not num_neg:
+        return math.nan
+    # U = (sum of the positives' ranks) - P(P+1)/2, with tied scores sharing their mean rank.
+    _, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0) - (counts - 1) / 2  # 1-based
+    u = mean_rank[inverse][positive].sum() - num_pos * (num_pos + 1) / 2
+    return float(u) / (num_pos * num_neg)
+
+
 @torch.no_grad()
 def evaluate_head(head: AcceptanceHead, hidden: torch.Tensor, soft: torch.Tensor, hard: torch.Tensor,
                   w_rej: float) -> dict:
-    """Loss, accuracy of sigmoid(z) > 0.5 against the hard labels, mean predicted acceptance."""
+    """Loss, accuracy of sigmoid(z) > 0.5 against the hard labels, ROC AUC (ranking quality,
+    informative when acceptances are rare), mean predicted acceptance."""
     logits = head(hidden)
     return {"loss": float(weighted_bce(logits, soft, w_rej)),
             "accuracy": float(((logits > 0) == hard).float().mean()),
+            "auc": auc(logits, hard),
             "mean_predicted_acceptance": float(torch.sigmoid(logits).mean()),
             "base_rate": float(hard.float().mean()),
             "mean_soft_label": float(soft.mean())}
@@ -198,7 +215,7 @@ def train_head(hidden: torch.Tensor, soft: torch.Tensor, hard: torch.Tensor, dep
     hidden, soft, hard = hidden.detach().float().clone(), soft.detach().float().clone(), hard.detach().bool()
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(n, generator=generator).to(hidden.device)
-    n_val = max(1, round(n * val_fraction))
+    n_val = min(n - 1, max(1, round(n * val_fraction)))  # both splits non-empty
     val, train = order[:n_val], order[n_val:]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -13,9 +14,9 @@ from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models import load_model
-from specd.models.tiny import loaded, perturbed, save_tiny, tiny_llama
+from specd.models.tiny import loaded, perturbed
 from specd.policies.specdecpp import AcceptanceHead
-from specd.training.specdecpp import (acceptance_labels, build_examples, draft_forward_fn,
+from specd.training.specdecpp import (acceptance_labels, auc, build_examples, draft_forward_fn,
                                       generate_targets, mix_tokens, train_head,
                                       train_head_from_prompts)
 from specd.types import SamplingParams, SpecParams
@@ -24,13 +25,9 @@ PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 40, 41, 42, 43]]
 
 
 @pytest.fixture(scope="module")
-def target_model():
-    return tiny_llama(0, layers=4)
-
-
-@pytest.fixture(scope="module")
-def target(target_model):
-    return loaded(target_model, "tiny")
+def target(tiny_target):
+    """The shared tiny 4-layer Llama (tests/conftest.py)."""
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +37,8 @@ def sequences(target):
     return [p + g for p, g in zip(PROMPTS, generations)], [len(p) for p in PROMPTS]
 
 
-def test_labels_are_one_when_the_drafter_is_the_target(target, target_model, sequences):
-    twin = HfDrafter(loaded(copy.deepcopy(target_model), "twin"), target)
+def test_labels_are_one_when_the_drafter_is_the_target(target, sequences):
+    twin = HfDrafter(loaded(copy.deepcopy(target.model), "twin"), target)
     hidden, soft, hard = build_examples(target, draft_forward_fn(twin), *sequences, seed=0)
     assert hidden.shape == (36, 64) and soft.shape == hard.shape == (36,)
     assert torch.equal(soft, torch.ones(36))
@@ -49,11 +46,11 @@ def test_labels_are_one_when_the_drafter_is_the_target(target, target_model, seq
 
 
 @pytest.mark.parametrize("make_drafter", [
-    lambda target, model: EarlyExitDrafter(target, 2),
-    lambda target, model: HfDrafter(loaded(perturbed(model, 0.1, seed=1), "noisy"), target),
+    lambda target: EarlyExitDrafter(target, 2),
+    lambda target: HfDrafter(loaded(perturbed(target.model, 0.1, seed=1), "noisy"), target),
 ], ids=["early-exit", "hf-perturbed"])
-def test_labels_of_a_weaker_drafter(target, target_model, sequences, make_drafter):
-    drafter = make_drafter(target, target_model)
+def test_labels_of_a_weaker_drafter(target, sequences, make_drafter):
+    drafter = make_drafter(target)
     hidden, soft, hard = build_examples(target, draft_forward_fn(drafter), *sequences, seed=0)
     assert hidden.shape == (36, 64)
     assert ((soft >= 0) & (soft <= 1)).all()
@@ -88,6 +85,20 @@ def test_mixing_changes_the_contexts(target, sequences):
     plain = build_examples(target, forward, *sequences, mix_rate=0.0)[0]
     mixed = build_examples(target, forward, *sequences, mix_rate=0.5, seed=3)[0]
     assert plain.shape == mixed.shape and not torch.allclose(plain, mixed)
+
+
+@pytest.mark.parametrize("scores, positive, expected", [
+    ([0.1, 0.2, 0.8, 0.9], [False, False, True, True], 1.0),
+    ([0.9, 0.8, 0.2, 0.1], [False, False, True, True], 0.0),
+    ([0.5, 0.5, 0.5, 0.5], [False, True, False, True], 0.5),
+    ([0.1, 0.5, 0.5, 0.9], [False, True, False, True], 0.875),  # one tied pair of four
+])
+def test_auc(scores, positive, expected):
+    assert auc(torch.tensor(scores), torch.tensor(positive)) == pytest.approx(expected)
+
+
+def test_auc_is_undefined_with_one_class():
+    assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([True, True])))
 
 
 def test_draft_forward_fn_refuses_a_drafter_without_hidden_states():
@@ -126,9 +137,8 @@ def test_train_head_rejects_bad_numbers():
 
 
 @pytest.fixture(scope="module")
-def tokenized_target(tmp_path_factory):
-    path = save_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0, layers=4)
-    return load_model(str(path), device="cpu")
+def tokenized_target(tiny_dirs):
+    return load_model(str(tiny_dirs[0]), device="cpu")
 
 
 def _write_prompts(path, texts):
