@@ -24,7 +24,7 @@ from specd.types import SamplingParams, SpecParams
 
 V = 16
 PROMPT = [3, 7, 1, 12]
-RUNS = 1000
+RUNS = 2000
 
 
 @pytest.fixture(scope="module")
