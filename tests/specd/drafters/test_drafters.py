@@ -1,0 +1,65 @@
+"""Drafters: n-gram prompt lookup, the early-exit drafter's shared weights and identity adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.drafters import EarlyExitDrafter, NgramDrafter
+from specd.models.session import KVSession, hf_forward
+from specd.models.tiny import tiny_llama
+from specd.types import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def test_ngram_proposes_what_followed_the_most_recent_match():
+    s = NgramDrafter().open()
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    d = s.next(seq, GREEDY, None, False)
+    # the trailing 3-gram [1, 2, 3] last occurred at index 5, followed by 5, 6, 1, 2, 3
+    assert (d.token, d.q, d.prob, d.entropy) == (5, None, 1.0, 0.0)
+    seq.append(d.token)
+    assert s.next(seq, GREEDY, None, False).token == 6
+
+
+def test_ngram_falls_back_to_shorter_ngrams_and_to_nothing():
+    s = NgramDrafter().open()
+    assert s.next([7, 8, 9, 3, 4, 8, 9], GREEDY, None, False).token == 3  # [8, 9] matched
+    assert s.next([1, 2, 3, 4], GREEDY, None, False) is None  # no earlier occurrence at all
+
+
+def test_ngram_forgets_its_proposal_after_a_rollback():
+    s = NgramDrafter().open()
+    seq = [1, 2, 3, 1, 2]
+    assert s.next(seq, GREEDY, None, False).token == 3  # continuation [3, 1, 2]
+    s.rollback(5)  # 3 was rejected and 7 emitted instead: [1, 2] no longer follows
+    assert s.next(seq + [7], GREEDY, None, False) is None  # without the rollback: a stale 1
+
+
+def test_early_exit_equals_the_truncated_target_until_trained(tiny_target):
+    drafter = EarlyExitDrafter(tiny_target, layers=2)
+    ids = [5, 9, 17, 33, 5]
+    logits, _ = KVSession(drafter.forward, tiny_target.device).extend(ids, 2)
+    # reference: a 2-layer model holding the target's own first two layers, norm and head
+    shallow = tiny_llama(0, layers=2)
+    src = tiny_target.model.state_dict()
+    shallow.load_state_dict({k: v for k, v in src.items() if k in shallow.state_dict()})
+    ref, _ = KVSession(hf_forward(shallow), tiny_target.device).extend(ids, 2)
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    # the drafter shares weights with the target instead of copying them
+    assert drafter.lm_head.weight.data_ptr() == tiny_target.model.lm_head.weight.data_ptr()
+
+
+def test_early_exit_adapter_round_trip(tiny_target, tmp_path):
+    drafter = EarlyExitDrafter(tiny_target, layers=2)
+    with torch.no_grad():
+        drafter.adapter.up.weight.normal_()
+    path = tmp_path / "adapter.safetensors"
+    drafter.save_adapter(path)
+    again = EarlyExitDrafter(tiny_target, layers=2, adapter_path=path)
+    ids = torch.tensor([[5, 9, 17]])
+    from transformers import DynamicCache
+
+    a, _ = drafter.forward(ids, DynamicCache(), 1, False)
+    b, _ = again.forward(ids, DynamicCache(), 1, False)
+    torch.testing.assert_close(a, b)
