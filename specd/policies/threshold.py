@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.policies.base import PolicyParams, StoppingPolicy, bounded
 from specd.types import RoundOutcome
 
 
@@ -39,3 +40,32 @@ class OnlineThreshold:
         else:
             target = self.lam
         self.lam = min(1.0, max(0.0, self.beta2 * self.lam + (1 - self.beta2) * target))
+
+
+@dataclass(frozen=True)
+class OnlineThresholdParams(PolicyParams):
+    lam0: float = bounded(0.5, 0.0, 1.0, "initial threshold")
+    beta1: float = bounded(0.5, 0.0, 1.0, "smoothing of the acceptance rate")
+    beta2: float = bounded(0.9, 0.0, 1.0, "smoothing of the threshold")
+    eps: float = bounded(0.01, 0.0, 1.0, "threshold step")
+    alpha: float = bounded(0.9, 0.0, 1.0, "target acceptance rate")
+    adapt: int = bounded(1, 0, 1, "1 adapts the threshold online, 0 keeps it fixed")
+
+
+class OnlineThresholdPolicy(StoppingPolicy):
+    """A policy that stops when a per-token score falls below an online-adapted lambda."""
+
+    Params = OnlineThresholdParams
+    needs_distribution = True
+
+    def load_state(self, state: dict[str, float]) -> None:
+        p = self.params
+        self.threshold = OnlineThreshold(state.get("lam", p.lam0), state.get("ar", p.alpha),
+                                         p.beta1, p.beta2, p.eps, p.alpha)
+
+    def state(self) -> dict[str, float]:
+        return {"lam": self.threshold.lam, "ar": self.threshold.ar}
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        if self.params.adapt:
+            self.threshold.update(outcome)
