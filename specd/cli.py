@@ -1,4 +1,4 @@
-"""The `specd` command: generate (in-process engine) and train-head (SpecDec++ head).
+"""The `specd` command: generate (in-process engine), train-head (SpecDec++ head) and bench.
 
 Every deliberate error is one line on stderr and exit status 2; no tracebacks.
 """
@@ -89,6 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", type=Path, required=True, help="where to write the head (safetensors)")
     t.set_defaults(func=cmd_train_head)
+
+    b = sub.add_parser("bench", help="benchmark policies, drafters and peers (results.json, report.md, PNGs)")
+    _add_model_args(b)
+    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    b.add_argument("--turn", choices=["1", "2", "all"], default="1",
+                   help="2 replays the target's first answer as a conversation")
+    b.add_argument("--limit", type=int, help="questions to use (default: all)")
+    b.add_argument("--policies", help="comma list (default: every policy except oracle)")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--baselines", default="ar,hf-prompt-lookup",
+                   help="comma list of ar, hf-assisted, hf-heuristic, hf-prompt-lookup (ar always runs)")
+    b.add_argument("--sweep-k", action="store_true", help="also run constant K = 1..8 (expensive)")
+    b.add_argument("--out", type=Path, default=Path("bench-out"))
+    b.add_argument("--json", action="store_true", help="print results.json to stdout too")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -186,6 +204,28 @@ def cmd_train_head(args) -> int:
                                      args.temperature, args.epochs, args.out, args.seed)
     report["wall_time_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def _comma_list(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def cmd_bench(args) -> int:
+    from specd.bench import BenchSettings, run_bench
+    from specd.bench.report import write_outputs
+
+    baselines = _comma_list(args.baselines)
+    settings = BenchSettings(
+        args.dataset, args.turn, args.limit, _comma_list(args.policies), _comma_list(args.drafter),
+        args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
+        args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
+        args.device, args.dtype, args.cache_dir, args.draft_adapter)
+    doc = run_bench(settings)
+    paths = write_outputs(doc, args.out)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 
 

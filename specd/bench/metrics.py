@@ -1,0 +1,102 @@
+"""Benchmark metrics (DESIGN.md §3.3; SpecDec++, Huang et al. 2024, §5).
+
+Per run, with N new tokens, V verifications (target forwards; the prefill is the first),
+D drafted and A accepted draft tokens:
+    MAT               = A / V + 1          (accepted per verification + recovered/bonus token)
+    acceptance rate   = A / D
+    verification rate = V / N              (N_target / N)
+    discard rate      = (D - A) / N        (N_discarded / N)
+    speedup           = tokens/s of a configuration / tokens/s of target-only decoding,
+                        per (prompt, repeat) in the same run; summarised by the median and
+                        [min, max] over prompts x repeats, and by the ratio of sums.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+
+from specd.stats import GenerationStats
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def run_record(stats: GenerationStats, token_ids: Sequence[int], baseline_ids: Sequence[int] | None) -> dict:
+    """One (configuration, prompt, repeat) run of our engine as plain numbers."""
+    n, wall = stats.new_tokens, stats.wall_time_s
+    return {
+        "new_tokens": n,
+        "wall_time_s": wall,
+        "tokens_per_s": _ratio(n, wall),
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "verifications": stats.verifications,
+        "mean_accepted_tokens": stats.mean_accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "verification_rate": _ratio(stats.verifications, n),
+        "discard_rate": _ratio(stats.drafted - stats.accepted, n),
+        "mean_draft_length": _ratio(stats.drafted, len(stats.draft_lengths)),
+        "draft_time_s": stats.draft_time_s,
+        "verify_time_s": stats.verify_time_s,
+        "overhead_time_s": wall - stats.draft_time_s - stats.verify_time_s,
+        "draft_lengths": list(stats.draft_lengths),
+        "accepted_lengths": list(stats.accepted_lengths),
+        "identical": None if baseline_ids is None else list(token_ids) == list(baseline_ids),
+        "lossy": stats.lossy,
+    }
+
+
+def peer_record(token_ids: Sequence[int], wall: float, baseline_ids: Sequence[int] | None) -> dict:
+    """A transformers peer run: only tokens and time are observable from outside generate()."""
+    n = len(token_ids)
+    return {"new_tokens": n, "wall_time_s": wall, "tokens_per_s": _ratio(n, wall),
+            "identical": None if baseline_ids is None else list(token_ids) == list(baseline_ids)}
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median and [min, max]; empty input gives None."""
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def speedups(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
+    """Per-run tokens/s ratios against the baseline run of the same (prompt, repeat), paired in order."""
+    ratios = [_ratio(r["tokens_per_s"], b["tokens_per_s"]) for r, b in zip(records, baseline)]
+    tps = _ratio(sum(r["new_tokens"] for r in records), sum(r["wall_time_s"] for r in records))
+    base_tps = _ratio(sum(b["new_tokens"] for b in baseline), sum(b["wall_time_s"] for b in baseline))
+    return {**spread(ratios), "ratio_of_sums": _ratio(tps, base_tps), "per_run": ratios}
+
+
+def aggregate(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
+    """Totals over all runs of one configuration (sums first, then ratios)."""
+    total = {k: sum(r.get(k) or 0 for r in records)
+             for k in ("new_tokens", "wall_time_s", "drafted", "accepted", "verifications",
+                       "draft_time_s", "verify_time_s")}
+    n, v, d, a = total["new_tokens"], total["verifications"], total["drafted"], total["accepted"]
+    draft_lengths = [k for r in records for k in r.get("draft_lengths", [])]
+    accepted_lengths = [k for r in records for k in r.get("accepted_lengths", [])]
+    identical = [r["identical"] for r in records if r.get("identical") is not None]
+    engine = "verifications" in records[0] if records else False
+    return {
+        **total,
+        "runs": len(records),
+        "tokens_per_s": _ratio(n, total["wall_time_s"]),
+        "speedup": speedups(records, baseline),
+        "mean_accepted_tokens": _ratio(a, v) + 1.0 if engine and v else None,
+        "acceptance_rate": _ratio(a, d) if engine else None,
+        "verification_rate": _ratio(v, n) if engine else None,
+        "discard_rate": _ratio(d - a, n) if engine else None,
+        "mean_draft_length": _ratio(d, len(draft_lengths)) if engine else None,
+        "draft_length_histogram": histogram(draft_lengths),
+        "accepted_length_histogram": histogram(accepted_lengths),
+        "identical": all(identical) if identical else None,
+    }
+
+
+def histogram(values: Sequence[int]) -> dict[str, int]:
+    """{length: count}, keys as strings so that the JSON round-trips."""
+    return {str(k): c for k, c in sorted(Counter(values).items())}

@@ -1,0 +1,101 @@
+"""Peer baselines from transformers, timed like our runs (time.perf_counter around the call).
+
+- hf-prompt-lookup: generate(prompt_lookup_num_tokens=10) (Saxena 2023);
+- hf-assisted: generate(assistant_model=draft) with transformers' defaults (a constant window of
+  20 drafts, confidence threshold 0.4);
+- hf-heuristic: the same with num_assistant_tokens_schedule="heuristic" (K += 2 after a fully
+  accepted window, else K -= 1) and the dynamic confidence threshold
+  (assistant_confidence_threshold, re-fitted from an ROC curve; transformers only adapts it
+  when scikit-learn is installed, which results.json records).
+Assisted peers need a separate draft model (--drafter hf --draft-model); otherwise they are
+skipped with a recorded reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specd.models.loading import LoadedModel
+from specd.types import SamplingParams
+
+PEERS = ("hf-prompt-lookup", "hf-assisted", "hf-heuristic")
+BASELINES = ("ar", *PEERS)
+
+# The assistant's generation-config fields each assisted peer starts from; transformers mutates
+# them during generate, so each peer keeps its own copy across calls (heuristic K persists, as
+# transformers intends, without leaking into the other peer).
+_ASSISTANT_FIELDS = {
+    "hf-assisted": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                    "assistant_confidence_threshold": 0.4},
+    "hf-heuristic": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "heuristic",
+                     "assistant_confidence_threshold": 0.4},
+}
+
+
+def sklearn_available() -> bool:
+    return importlib.util.find_spec("sklearn") is not None
+
+
+def skip_reason(peer: str, draft_model: LoadedModel | None) -> str | None:
+    """Why a peer cannot run with these models, or None."""
+    if peer in _ASSISTANT_FIELDS and draft_model is None:
+        return "needs a separate draft model (--drafter hf --draft-model DIR)"
+    return None
+
+
+class PeerRunner:
+    """Runs one peer's generate() per prompt; holds the assisted peers' persistent settings."""
+
+    def __init__(self, target: LoadedModel, draft_model: LoadedModel | None):
+        self.target, self.draft_model = target, draft_model
+        self.assistant_state = {k: dict(v) for k, v in _ASSISTANT_FIELDS.items()}
+
+    def generate(self, peer: str, prompt: Sequence[int], sampling: SamplingParams) -> tuple[list[int], float]:
+        """(new token ids, wall seconds)."""
+        model = self.target.model
+        kwargs = self._sampling_kwargs(sampling)
+        if peer == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        else:
+            kwargs["assistant_model"] = self._assistant(peer)
+        input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.target.device)
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed if sampling.seed is not None else 0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        wall = time.perf_counter() - t0
+        if peer != "hf-prompt-lookup":
+            self._save_assistant(peer)
+        return self._strip(out[0, len(prompt):].tolist()), wall
+
+    def _sampling_kwargs(self, sampling: SamplingParams) -> dict:
+        eos = sorted(self.target.eos_token_ids)
+        pad = self.target.model.generation_config.pad_token_id
+        kwargs = {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": eos or None,
+                  "pad_token_id": pad if pad is not None else (eos[0] if eos else 0)}
+        if sampling.greedy:
+            return {**kwargs, "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {**kwargs, "do_sample": True, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k or None}
+
+    def _assistant(self, peer: str) -> torch.nn.Module:
+        assistant = self.draft_model.model
+        for name, value in self.assistant_state[peer].items():
+            setattr(assistant.generation_config, name, value)
+        return assistant
+
+    def _save_assistant(self, peer: str) -> None:
+        config = self.draft_model.model.generation_config
+        self.assistant_state[peer] = {name: getattr(config, name) for name in self.assistant_state[peer]}
+
+    def _strip(self, ids: list[int]) -> list[int]:
+        """Cut after the first EOS (generate pads finished rows), keeping the EOS like our engine."""
+        for i, tok in enumerate(ids):
+            if tok in self.target.eos_token_ids:
+                return ids[:i + 1]
+        return ids

@@ -1,0 +1,60 @@
+"""PNG plots of a results document (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+
+def write_plots(doc: dict, out: Path) -> list[Path]:
+    return [speedup_plot(doc, out / "speedup.png"),
+            histogram_plot(doc, "draft_length_histogram", "tokens drafted per round",
+                           out / "draft_lengths.png"),
+            histogram_plot(doc, "accepted_length_histogram", "draft tokens accepted per verification",
+                           out / "accepted_lengths.png")]
+
+
+def speedup_plot(doc: dict, path: Path) -> Path:
+    """Median speedup per configuration with its [min, max] spread; 1.0 = target alone."""
+    aggs = doc["aggregates"]
+    labels = list(aggs)
+    med = [aggs[k]["speedup"]["median"] or 0.0 for k in labels]
+    lo = [m - (aggs[k]["speedup"]["min"] or 0.0) for k, m in zip(labels, med)]
+    hi = [(aggs[k]["speedup"]["max"] or 0.0) - m for k, m in zip(labels, med)]
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) + 2), 4.5))
+    ax.bar(range(len(labels)), med, yerr=[lo, hi], capsize=3, color="tab:blue")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over target alone (median, min–max)")
+    ax.set_title(f"specd bench: {doc['target']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def histogram_plot(doc: dict, key: str, xlabel: str, path: Path) -> Path:
+    """One small histogram per speculative configuration (peers and the baseline have none)."""
+    hists = {k: a[key] for k, a in doc["aggregates"].items() if a.get(key)}
+    n = max(len(hists), 1)
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for ax, (label, hist) in zip(axes.flat, hists.items()):
+        xs = [int(x) for x in hist]
+        ax.bar(xs, list(hist.values()), color="tab:orange")
+        ax.set_title(label, fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(hists):]:
+        ax.axis("off")
+    if not hists:
+        axes.flat[0].text(0.5, 0.5, "no speculative rounds", ha="center", va="center")
+    fig.supxlabel(xlabel, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,149 @@
+"""The benchmark's outputs: results.json (everything, machine-readable) and report.md (one
+table, configurations as rows). Plots are drawn by specd.bench.plots from the same document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from specd.bench.configs import BASELINE
+from specd.bench.metrics import aggregate
+from specd.bench.peers import sklearn_available
+
+MISSING = [
+    "entropy analysis plot (entropy of each drafted token vs. accepted?): the engine does not "
+    "record per-token entropies in its stats, and the bench adds nothing to the engine",
+]
+
+
+def machine_info(run) -> dict:
+    import transformers
+
+    target = run.m.target
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def results_doc(run, oracle: dict) -> dict:
+    """The whole benchmark as plain data."""
+    base = run.records[BASELINE]
+    aggregates = {label: aggregate(recs, base) for label, recs in run.records.items()}
+    _add_oracle_fractions(aggregates, run, oracle)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run.s).items()}
+    return {
+        "machine": machine_info(run),
+        "command": list(sys.argv),
+        "settings": settings,
+        "target": run.m.target.name,
+        "prompts": [{"key": p.key, "qid": p.qid, "turn": p.turn, "prompt_tokens": len(run.prompt_ids[p.key])}
+                    for p in run.prompts],
+        "configs": [c.to_dict() for c in run.configs],
+        "records": run.records,
+        "aggregates": aggregates,
+        "oracle": oracle,
+        "missing": MISSING,
+    }
+
+
+def _add_oracle_fractions(aggregates: dict, run, oracle: dict) -> None:
+    """Each config's tokens/s as a fraction of its drafter's oracle, and the best constant K."""
+    bounds = {}
+    for kind, entry in oracle.get("drafters", {}).items():
+        if "per_prompt" in entry:
+            n = sum(r["new_tokens"] for r in entry["per_prompt"])
+            t = sum(r["time_s"] for r in entry["per_prompt"])
+            entry["tokens_per_s"] = bounds[kind] = n / t if t > 0 else 0.0
+        elif f"{kind}/oracle" in aggregates:
+            entry["tokens_per_s"] = bounds[kind] = aggregates[f"{kind}/oracle"]["tokens_per_s"]
+    for c in run.configs:
+        agg = aggregates.get(c.label)
+        if agg is not None:
+            bound = bounds.get(c.drafter)
+            agg["oracle_fraction"] = agg["tokens_per_s"] / bound if bound else None
+    for kind, entry in oracle.get("drafters", {}).items():
+        sweep = {k: a["tokens_per_s"] for k, a in aggregates.items() if k.startswith(f"{kind}/constant-k")}
+        if sweep:
+            best = max(sweep, key=sweep.get)
+            entry["best_fixed_k"] = {"config": best, "tokens_per_s": sweep[best]}
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def report_md(doc: dict) -> str:
+    """One table, configurations as rows, plus the skipped configs, oracle bounds and gaps."""
+    m, s = doc["machine"], doc["settings"]
+    lines = [
+        "# specd bench", "",
+        f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts × "
+        f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}. "
+        f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['device']} {m['dtype']}, "
+        f"torch {m['torch']}, transformers {m['transformers']}.", "",
+        "Speedup: tokens/s over target-only decoding (`ar`) on the same prompt in the same run; median "
+        "[min, max] over prompts × repeats. % of oracle: tokens/s over the oracle bound of the same drafter.", "",
+        "| config | tok/s | speedup median [spread] | MAT | acceptance | verif. rate | discard rate "
+        "| mean draft len | % of oracle | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, a in doc["aggregates"].items():
+        sp = a["speedup"]
+        frac = a.get("oracle_fraction")
+        ident = {True: "yes", False: "**no**", None: "–"}[a["identical"]]
+        lines.append(f"| {label} | {a['tokens_per_s']:.1f} | {_fmt(sp['median'])}× [{_fmt(sp['min'])}, "
+                     f"{_fmt(sp['max'])}] | {_fmt(a['mean_accepted_tokens'])} | {_fmt(a['acceptance_rate'])} | "
+                     f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
+                     f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
+    lines += _oracle_lines(doc["oracle"])
+    skipped = [c for c in doc["configs"] if c["skipped"]]
+    if skipped:
+        lines += ["", "Skipped:", *[f"- {c['label']}: {c['skipped']}" for c in skipped]]
+    lines += ["", "Not measured:", *[f"- {x}" for x in doc["missing"]], ""]
+    return "\n".join(lines)
+
+
+def _oracle_lines(oracle: dict) -> list[str]:
+    if "skipped" in oracle:
+        return ["", f"Oracle bound: skipped ({oracle['skipped']})."]
+    out = ["", f"Oracle bound (window {oracle['window']}):"]
+    for kind, e in oracle["drafters"].items():
+        c = e["cost_curve"]
+        line = (f"- {kind}: {_fmt(e.get('tokens_per_s'), '.1f')} tok/s; t_draft {1e3 * c['t_draft_s']:.2f} ms/token, "
+                f"t_target(1) {1e3 * c['t_target_s'][0]:.1f} ms, t_target({c['k'][-1]}) {1e3 * c['t_target_s'][-1]:.1f} ms")
+        if "per_prompt" in e:
+            v = sum(r["verifications"] for r in e["per_prompt"])
+            n = sum(r["new_tokens"] for r in e["per_prompt"])
+            line += f"; {v} verifications for {n} tokens"
+        if "best_fixed_k" in e:
+            line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
+        out.append(line)
+    return out
+
+
+def write_outputs(doc: dict, out: Path) -> list[Path]:
+    """results.json, report.md and the PNG plots; returns the paths written."""
+    from specd.bench.plots import write_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    (out / "report.md").write_text(report_md(doc))
+    return [out / "results.json", out / "report.md", *write_plots(doc, out)]

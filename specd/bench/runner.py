@@ -1,0 +1,157 @@
+"""The benchmark loop: load the models, run every configuration on every prompt, interleaved
+per prompt (baseline, config A, config B, ... for one prompt, then the next; all of it
+`repeats` times) so that slow drift of the machine cancels out of the speedup ratios.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from specd.bench import oracle as orc
+from specd.bench.configs import BASELINE, BenchSettings, Config, build_configs
+from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
+from specd.bench.metrics import peer_record, run_record
+from specd.bench.peers import PeerRunner, skip_reason
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
+from specd.policies import OraclePolicy
+from specd.types import SamplingParams, SpecParams
+
+BUNDLED_HEAD_PAIR = ("smollm2-135m-instruct", "early-exit", 4)
+
+
+@dataclass
+class Models:
+    target: object
+    draft_model: object | None
+    drafters: dict  # kind -> Drafter
+    heads: dict = field(default_factory=dict)  # kind -> specdec++ head module
+
+
+def load_models(s: BenchSettings) -> Models:
+    from specd.models import load_model
+
+    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
+    draft_model = load_model(s.draft_model, s.device, s.dtype, s.cache_dir) if s.draft_model else None
+    drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter) for d in s.drafters}
+    return Models(target, draft_model, drafters, _heads(s, target))
+
+
+def _heads(s: BenchSettings, target) -> dict:
+    """The bundled SpecDec++ head, for the pair it was trained on only."""
+    from specd.cli import DEFAULT_HEAD
+    from specd.policies import AcceptanceHead
+
+    pair = (target.name.lower(), "early-exit", s.draft_layers)
+    if "early-exit" in s.drafters and pair == BUNDLED_HEAD_PAIR and s.draft_adapter is None:
+        return {"early-exit": AcceptanceHead.load(DEFAULT_HEAD).to(target.device)}
+    return {}
+
+
+class BenchRun:
+    """One benchmark: prompts x configurations x repeats, plus the oracle's measurements."""
+
+    def __init__(self, s: BenchSettings, models: Models):
+        self.s, self.m = s, models
+        self.sampling = SamplingParams(s.temperature, 0, 1.0, s.seed, s.max_new_tokens)
+        self.sampling.validate(max_new_tokens_limit=models.target.max_context)
+        self.prompts = bench_prompts(load_questions(s.dataset, s.limit), s.turn)
+        peer_skips = {p: skip_reason(p, models.draft_model) for p in s.baselines if p != BASELINE}
+        self.configs = build_configs(s, {d: d in models.heads for d in s.drafters}, peer_skips)
+        self.engines = {None: SpeculativeEngine(models.target)}
+        for kind, drafter in models.drafters.items():
+            self.engines[kind] = SpeculativeEngine(models.target, drafter, specdecpp_head=models.heads.get(kind))
+        self.peers = PeerRunner(models.target, models.draft_model)
+        self.prompt_ids: dict[str, list[int]] = {}
+        self.records: dict[str, list[dict]] = {c.label: [] for c in self.configs if not c.skip}
+        self.baseline_ids: dict[tuple[int, str], list[int]] = {}  # (repeat, prompt key) -> tokens
+
+    # -- prompts ----------------------------------------------------------------------------
+    def encode_prompts(self) -> None:
+        """Token ids of every prompt; a second turn first needs the target's own first answer."""
+        target, answers = self.m.target, {}
+        for p in self.prompts:
+            if p.turn == 2 and p.qid not in answers:
+                first = target.encode_prompt(messages(BenchPrompt(p.qid, 1, p.question), None), True)
+                answers[p.qid] = self.engines[None].generate(first, self.sampling, SpecParams("none")).text
+            self.prompt_ids[p.key] = target.encode_prompt(messages(p, answers.get(p.qid)), True)
+
+    # -- runs -------------------------------------------------------------------------------
+    def run_one(self, c: Config, prompt: list[int], reference: list[int] | None) -> tuple[dict, list[int]]:
+        if c.kind == "peer":
+            ids, wall = self.peers.generate(c.label, prompt, self.sampling)
+            return peer_record(ids, wall, reference if self.s.greedy else None), ids
+        spec = SpecParams(c.policy, None, dict(c.policy_params), task_tag="bench")
+        ref = reference if c.policy == "oracle" else None
+        out = self.engines[c.drafter].generate(prompt, self.sampling, spec, ref)
+        check = reference if (self.s.greedy and c.label != BASELINE) else None
+        return run_record(out.stats, out.token_ids, check), out.token_ids
+
+    def warm_up(self) -> None:
+        """One short untimed run per engine (fresh state stores), so no config pays first-call costs."""
+        prompt = self.prompt_ids[self.prompts[0].key]
+        short = SamplingParams(self.s.temperature, 0, 1.0, self.s.seed, min(8, self.s.max_new_tokens))
+        SpeculativeEngine(self.m.target).generate(prompt, short, SpecParams("none"))
+        for drafter in self.m.drafters.values():
+            SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
+
+    def run_all(self, progress: bool = True) -> None:
+        active = [c for c in self.configs if not c.skip]
+        total = self.s.repeats * len(self.prompts) * len(active)
+        with tqdm(total=total, desc="bench", file=sys.stderr, disable=not progress) as bar:
+            for rep in range(self.s.repeats):
+                for p in self.prompts:
+                    ids = self.prompt_ids[p.key]
+                    reference = None
+                    for c in active:  # the baseline is first
+                        bar.set_postfix_str(f"{p.key} {c.label}")
+                        record, tokens = self.run_one(c, ids, reference)
+                        if c.label == BASELINE:
+                            reference = tokens
+                            self.baseline_ids[(rep, p.key)] = tokens
+                        self.records[c.label].append({"prompt": p.key, "repeat": rep, **record})
+                        bar.update()
+
+    # -- oracle -----------------------------------------------------------------------------
+    def oracle(self) -> dict:
+        """Cost curve and, for greedy runs, the oracle bound of every model drafter."""
+        if not self.s.greedy:
+            return {"skipped": "the oracle bound is defined for greedy decoding only"}
+        first = self.prompts[0].key
+        prefix = self.prompt_ids[first] + self.baseline_ids[(0, first)]
+        ks, ts, _ = orc.measure_t_target(self.m.target, prefix)
+        window = OraclePolicy.Params().max_draft_tokens
+        result = {"window": window, "t_target": {"k": ks, "t_target_s": ts}, "drafters": {}}
+        prefill = {p.key: orc.measure_prefill(self.m.target, self.prompt_ids[p.key]) for p in self.prompts}
+        for kind, drafter in self.m.drafters.items():
+            curve = orc.CostCurve(orc.measure_t_draft(drafter, prefix), ks, ts)
+            entry = {"cost_curve": curve.to_dict()}
+            if drafter.has_distribution:
+                entry["per_prompt"] = [self._bound(drafter, p, curve, window, prefill[p.key]) for p in self.prompts]
+            else:
+                entry["note"] = "measured by running the oracle policy through the engine (config ngram/oracle)"
+            result["drafters"][kind] = entry
+        return result
+
+    def _bound(self, drafter, p: BenchPrompt, curve: orc.CostCurve, window: int, t_prefill: float) -> dict:
+        output = self.baseline_ids[(0, p.key)]
+        agree = orc.teacher_forced_agreement(drafter, self.prompt_ids[p.key], output, self.m.target.vocab_size)
+        rounds = orc.oracle_rounds(agree, window)
+        return {"prompt": p.key, "disagreements": agree.count(False),
+                **orc.bound(rounds, curve, t_prefill)}
+
+
+def run_bench(s: BenchSettings, models: Models | None = None, progress: bool = True) -> dict:
+    """Validate, load, run and measure; returns the results document (see report.results_doc)."""
+    from specd.bench.report import results_doc
+
+    s.validate()
+    load_questions(s.dataset, s.limit)  # a bad dataset fails before the models load
+    run = BenchRun(s, models or load_models(s))
+    run.encode_prompts()
+    run.warm_up()
+    run.run_all(progress)
+    return results_doc(run, run.oracle())

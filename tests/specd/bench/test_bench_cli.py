@@ -1,0 +1,107 @@
+"""`specd bench` end to end on the tiny random pair: output files and their shape, and one-line
+errors naming a bad dataset line or an unknown name. No timing thresholds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd.cli import main
+
+PROMPTS = ["hello there", "count to five", "the cat sat on the mat, the cat"]
+
+
+def run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [p, "again"]}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    return path
+
+
+def bench_args(tiny_dirs, dataset, out, *extra):
+    target, draft = map(str, tiny_dirs)
+    return ["bench", "--dataset", str(dataset), "--target-model", target, "--drafter", "hf",
+            "--draft-model", draft, "--max-new-tokens", "8", "--out", str(out), *extra]
+
+
+def test_bench_smoke(tiny_dirs, dataset, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(bench_args(tiny_dirs, dataset, out, "--policies", "constant,heuristic,svip",
+                                       "--baselines", "ar,hf-prompt-lookup,hf-assisted", "--json"), capsys)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert json.loads(stdout) == doc
+    assert {"machine", "command", "settings", "configs", "records", "aggregates", "oracle"} <= set(doc)
+    assert {"cpu", "cores", "torch_threads", "device", "dtype", "torch", "transformers"} <= set(doc["machine"])
+    labels = ["ar", "hf/constant", "hf/heuristic", "hf/svip", "hf-prompt-lookup", "hf-assisted"]
+    assert list(doc["aggregates"]) == labels
+    for label in labels:
+        records = doc["records"][label]
+        assert [r["prompt"] for r in records] == [f"{i}#t1" for i in range(3)]
+    for label in ("hf/constant", "hf/heuristic", "hf/svip"):
+        agg = doc["aggregates"][label]
+        assert agg["identical"] is True  # greedy speculative output equals the target alone
+        assert agg["speedup"]["min"] <= agg["speedup"]["median"] <= agg["speedup"]["max"]
+        assert agg["mean_accepted_tokens"] >= 1.0 and agg["oracle_fraction"] > 0
+        for r in doc["records"][label]:
+            assert r["new_tokens"] == sum(r["accepted_lengths"]) + r["verifications"]
+    bound = doc["oracle"]["drafters"]["hf"]
+    assert len(bound["per_prompt"]) == 3 and len(bound["cost_curve"]["t_target_s"]) == 16
+    for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
+        assert rec["new_tokens"] == base["new_tokens"]
+        assert rec["verifications"] <= rec["disagreements"] + 1
+    report = (out / "report.md").read_text()
+    assert "| hf/svip |" in report and "% of oracle" in report
+    for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, capsys):
+    out = tmp_path / "out"
+    target, _ = map(str, tiny_dirs)
+    code, _, err = run(["bench", "--dataset", str(dataset), "--target-model", target, "--limit", "1",
+                        "--turn", "all", "--policies", "constant,specdec++", "--max-new-tokens", "6",
+                        "--baselines", "hf-heuristic", "--out", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert [p["key"] for p in doc["prompts"]] == ["0#t1", "0#t2"]
+    assert doc["prompts"][1]["prompt_tokens"] > doc["prompts"][0]["prompt_tokens"]
+    skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
+    assert set(skipped) == {"ngram/specdec++", "hf-heuristic"}
+    assert "draft model" in skipped["hf-heuristic"]
+    assert doc["aggregates"]["ngram/oracle"]["identical"] is True
+    assert doc["aggregates"]["ngram/oracle"]["discard_rate"] == 0.0
+
+
+def test_bad_dataset_line_is_named(tiny_dirs, tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"turns": ["ok"]}\n{"turns": "not a list"}\n')
+    code, _, err = run(bench_args(tiny_dirs, path, tmp_path / "o"), capsys)
+    assert code == 2 and f"{path}:2:" in err and "turns" in err and "Traceback" not in err
+    path.write_text('{"turns": ["ok"]}\n\n{not json\n')
+    code, _, err = run(bench_args(tiny_dirs, path, tmp_path / "o"), capsys)
+    assert code == 2 and f"{path}:3: invalid JSON" in err
+
+
+@pytest.mark.parametrize("flag, value, name", [("--policies", "constant,warp", "'warp'"),
+                                               ("--baselines", "ar,vllm", "'vllm'"),
+                                               ("--drafter", "ngram,magic", "'magic'")])
+def test_unknown_names_are_refused(tiny_dirs, dataset, tmp_path, capsys, flag, value, name):
+    argv = bench_args(tiny_dirs, dataset, tmp_path / "o")
+    if flag == "--drafter":
+        argv[argv.index("--drafter") + 1] = value
+    else:
+        argv += [flag, value]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and name in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,91 @@
+"""Benchmark arithmetic: per-run rates, aggregates, speedup median/spread, oracle rounds and
+the cost-curve interpolation, on hand-made numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.bench.metrics import aggregate, run_record, speedups
+from specd.bench.oracle import CostCurve, bound, oracle_rounds
+from specd.stats import GenerationStats
+
+
+def stats(new, drafted, accepted, verifications, wall, draft_lengths=(), accepted_lengths=()):
+    s = GenerationStats("constant", "ngram", new_tokens=new, drafted=drafted, accepted=accepted,
+                        verifications=verifications, wall_time_s=wall, draft_time_s=0.1 * wall,
+                        verify_time_s=0.5 * wall)
+    s.draft_lengths, s.accepted_lengths = list(draft_lengths), list(accepted_lengths)
+    return s
+
+
+def test_run_record_rates():
+    # 4 verifications (a prefill step + 3 rounds drafting 4, 4, 2), 6 of 10 drafts accepted, 10 tokens
+    r = run_record(stats(10, 10, 6, 4, 2.0, [4, 4, 2], [4, 1, 1]), [1, 2], [1, 2])
+    assert r["mean_accepted_tokens"] == pytest.approx(6 / 4 + 1)
+    assert r["acceptance_rate"] == pytest.approx(0.6)
+    assert r["verification_rate"] == pytest.approx(0.4)
+    assert r["discard_rate"] == pytest.approx(0.4)
+    assert r["mean_draft_length"] == pytest.approx(10 / 3)
+    assert r["tokens_per_s"] == pytest.approx(5.0)
+    assert r["overhead_time_s"] == pytest.approx(0.8)
+    assert r["identical"] is True
+    assert run_record(stats(10, 0, 0, 10, 1.0), [1], [2])["identical"] is False
+
+
+def test_speedup_median_spread_and_ratio_of_sums():
+    base = [{"new_tokens": 10, "wall_time_s": 1.0, "tokens_per_s": 10.0},
+            {"new_tokens": 10, "wall_time_s": 2.0, "tokens_per_s": 5.0},
+            {"new_tokens": 20, "wall_time_s": 1.0, "tokens_per_s": 20.0}]
+    runs = [{"new_tokens": 10, "wall_time_s": 0.5, "tokens_per_s": 20.0},  # 2x
+            {"new_tokens": 10, "wall_time_s": 2.0, "tokens_per_s": 5.0},  # 1x
+            {"new_tokens": 20, "wall_time_s": 0.25, "tokens_per_s": 80.0}]  # 4x
+    sp = speedups(runs, base)
+    assert (sp["median"], sp["min"], sp["max"]) == (2.0, 1.0, 4.0)
+    assert sp["per_run"] == [2.0, 1.0, 4.0]
+    assert sp["ratio_of_sums"] == pytest.approx((40 / 2.75) / (40 / 4.0))
+
+
+def test_aggregate_sums_before_ratios():
+    a = run_record(stats(8, 6, 3, 4, 1.0, [3, 3], [1, 2]), [1], [1])
+    b = run_record(stats(4, 2, 2, 2, 1.0, [2], [2]), [1], [1])
+    agg = aggregate([a, b], [a, b])
+    assert agg["mean_accepted_tokens"] == pytest.approx(5 / 6 + 1)
+    assert agg["acceptance_rate"] == pytest.approx(5 / 8)
+    assert agg["verification_rate"] == pytest.approx(6 / 12)
+    assert agg["discard_rate"] == pytest.approx(3 / 12)
+    assert agg["mean_draft_length"] == pytest.approx(8 / 3)
+    assert agg["draft_length_histogram"] == {"2": 1, "3": 2}
+    assert agg["accepted_length_histogram"] == {"1": 1, "2": 2}
+    assert agg["identical"] is True and agg["speedup"]["median"] == 1.0
+
+
+@pytest.mark.parametrize("agree, window, rounds", [
+    # y_0..y_7; the draft disagrees at 2 and 5: rounds draft [0,1], recover 2; [3,4], recover 5; [6], end with 7
+    ([1, 1, 0, 1, 1, 0, 1, 1], 16, [2, 2, 1]),
+    ([1, 1, 0, 1, 1, 0, 1, 1], 1, [1, 0, 1, 0, 1]),  # a window of 1: y_1, y_4, y_7 come as bonus tokens
+    ([0, 0, 0], 16, [0, 0, 0]),  # disagreeing everywhere: one token per verification
+    ([1] * 6, 16, [5]),  # all agree: draft 5, the 6th comes as the bonus token
+    ([], 16, []),
+])
+def test_oracle_rounds(agree, window, rounds):
+    got = oracle_rounds([bool(a) for a in agree], window)
+    assert got == rounds
+    assert sum(k + 1 for k in got) == len(agree)
+
+
+def test_oracle_uncapped_verifications_are_disagreements_plus_one():
+    agree = [True] * 20
+    for i in (3, 7, 8, 15):
+        agree[i] = False
+    assert len(oracle_rounds(agree, 100)) == 4 + 1
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve(t_draft=0.5, ks=[1, 2, 4], t_target_k=[1.0, 2.0, 4.0])
+    assert curve.t_target(3) == pytest.approx(3.0)  # between measured points
+    assert curve.t_target(8) == pytest.approx(8.0)  # least-squares line beyond
+    assert curve.round_time(2) == pytest.approx(2 * 0.5 + 3.0)
+    b = bound([2, 0], curve, t_prefill=1.0)
+    assert b["new_tokens"] == 4 and b["verifications"] == 2
+    assert b["time_s"] == pytest.approx(1.0 + 4.0 + 1.0)
+    assert b["tokens_per_s"] == pytest.approx(4 / 6)
