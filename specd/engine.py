@@ -146,6 +146,9 @@ class GenerationRun:
             stats.relaxed_accepted += verdict.num_relaxed
             stats.draft_lengths.append(k)
             stats.accepted_lengths.append(n)
+            judged = min(verdict.num_strict + 1, k)
+            stats.judged_entropies.extend(entropies[:judged])
+            stats.judged_accepted.extend(i < verdict.num_strict for i in range(judged))
             self.policy.observe(RoundOutcome(k, verdict.num_strict, tuple(entropies), hit_cap,
                                              verdict.js_distances))
         return self._commit(drafts[:n] + [verdict.next_token])

@@ -23,6 +23,10 @@ class GenerationStats:
     verifications: int = 0
     draft_lengths: list[int] = field(default_factory=list)  # tokens drafted per round
     accepted_lengths: list[int] = field(default_factory=list)  # tokens accepted per round
+    # Per drafted token that verification judged (up to and including the first rejection):
+    # H(q) and whether it was accepted. Discarded tokens after a rejection are not judged.
+    judged_entropies: list[float] = field(default_factory=list)
+    judged_accepted: list[bool] = field(default_factory=list)
     lossy: bool = False  # output may differ from the target alone (relaxed verification)
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0

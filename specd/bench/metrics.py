@@ -19,6 +19,19 @@ from collections.abc import Sequence
 
 from specd.stats import GenerationStats
 
+# Entropy bins (nats) for the analysis of SVIP's Table 1: acceptance against draft entropy.
+ENTROPY_EDGES = [0.0, 0.05, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, float("inf")]
+
+
+def entropy_bins(entropies: Sequence[float], accepted: Sequence[bool]) -> dict[str, list[int]]:
+    """Counts of judged draft tokens per entropy bin, split by the verification outcome."""
+    acc = [0] * (len(ENTROPY_EDGES) - 1)
+    rej = [0] * (len(ENTROPY_EDGES) - 1)
+    for h, ok in zip(entropies, accepted):
+        i = next(j for j in range(len(acc)) if h < ENTROPY_EDGES[j + 1])
+        (acc if ok else rej)[i] += 1
+    return {"accepted": acc, "rejected": rej}
+
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
@@ -44,6 +57,7 @@ def run_record(stats: GenerationStats, token_ids: Sequence[int], baseline_ids: S
         "overhead_time_s": wall - stats.draft_time_s - stats.verify_time_s,
         "draft_lengths": list(stats.draft_lengths),
         "accepted_lengths": list(stats.accepted_lengths),
+        "entropy_bins": entropy_bins(stats.judged_entropies, stats.judged_accepted),
         "identical": None if baseline_ids is None else list(token_ids) == list(baseline_ids),
         "lossy": stats.lossy,
     }
@@ -93,6 +107,7 @@ def aggregate(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
         "mean_draft_length": _ratio(d, len(draft_lengths)) if engine else None,
         "draft_length_histogram": histogram(draft_lengths),
         "accepted_length_histogram": histogram(accepted_lengths),
+        "entropy_bins": _sum_bins([r["entropy_bins"] for r in records if r.get("entropy_bins")]),
         "identical": all(identical) if identical else None,
     }
 
@@ -100,3 +115,10 @@ def aggregate(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
 def histogram(values: Sequence[int]) -> dict[str, int]:
     """{length: count}, keys as strings so that the JSON round-trips."""
     return {str(k): c for k, c in sorted(Counter(values).items())}
+
+
+def _sum_bins(bins: Sequence[dict]) -> dict | None:
+    if not bins:
+        return None
+    return {"edges": ENTROPY_EDGES[:-1] + ["inf"],
+            **{k: [sum(col) for col in zip(*(b[k] for b in bins))] for k in ("accepted", "rejected")}}

@@ -8,9 +8,10 @@ V = N_target = |disagreements| + 1.
 
 With the measured per-token draft cost t_draft and target cost t_target(k) of a k-token forward
 on a cached prefix, the best any length policy can do with this pair is
-    time = t_prefill + sum_r (len_r * t_draft + t_target(len_r + 1)),   tokens/s = N / time.
-Approximations: the draft's own prefill is not counted, the first round's forward is counted
-both as t_prefill and as t_target(len_0 + 1), and t_target(k) is measured once, after the first
+    time = t_prefill + len_0 * t_draft + sum_{r >= 1} (len_r * t_draft + t_target(len_r + 1)),
+    tokens/s = N / time
+(the first round's verification is the prefill forward over prompt + drafts). Approximations:
+the draft's own prefill is not counted and t_target(k) is measured once, after the first
 prompt + its answer; so a measured run can exceed the bound by a few percent (> 100% of oracle).
 """
 
@@ -72,7 +73,7 @@ class CostCurve:
 def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float) -> dict:
     """The oracle's verifications, time and tokens/s for one output."""
     n = sum(k + 1 for k in rounds)
-    t = t_prefill + sum(curve.round_time(k) for k in rounds)
+    t = t_prefill + sum(curve.round_time(k) for k in rounds[1:]) + (rounds[0] * curve.t_draft if rounds else 0.0)
     return {"new_tokens": n, "verifications": len(rounds), "drafted": sum(rounds),
             "time_s": t, "tokens_per_s": n / t if t > 0 else 0.0, "draft_lengths": list(rounds)}
 

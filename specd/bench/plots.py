@@ -15,7 +15,8 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
             histogram_plot(doc, "draft_length_histogram", "tokens drafted per round",
                            out / "draft_lengths.png"),
             histogram_plot(doc, "accepted_length_histogram", "draft tokens accepted per verification",
-                           out / "accepted_lengths.png")]
+                           out / "accepted_lengths.png"),
+            entropy_plot(doc, out / "entropy.png")]
 
 
 def speedup_plot(doc: dict, path: Path) -> Path:
@@ -54,6 +55,39 @@ def histogram_plot(doc: dict, key: str, xlabel: str, path: Path) -> Path:
     if not hists:
         axes.flat[0].text(0.5, 0.5, "no speculative rounds", ha="center", va="center")
     fig.supxlabel(xlabel, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def entropy_plot(doc: dict, path: Path) -> Path:
+    """SVIP's Table 1 analysis: where judged draft tokens fall in entropy, accepted vs rejected
+    (left), and the acceptance rate per entropy bin (right), per configuration."""
+    bins = {k: a["entropy_bins"] for k, a in doc["aggregates"].items()
+            if a.get("entropy_bins") and sum(a["entropy_bins"]["accepted"]) + sum(a["entropy_bins"]["rejected"])}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, b in bins.items():
+        centers = list(range(len(b["accepted"])))
+        acc, rej = b["accepted"], b["rejected"]
+        total_acc, total_rej = max(sum(acc), 1), max(sum(rej), 1)
+        left.plot(centers, [a / total_acc for a in acc], marker="o", label=f"{label} accepted")
+        left.plot(centers, [r / total_rej for r in rej], marker="x", linestyle="--", label=f"{label} rejected")
+        rate = [a / (a + r) if a + r else float("nan") for a, r in zip(acc, rej)]
+        right.plot(centers, rate, marker="o", label=label)
+    edges = doc["aggregates"][next(iter(bins))]["entropy_bins"]["edges"] if bins else []
+    for ax in (left, right):
+        ax.set_xticks(range(len(edges)), [f">={e}" for e in edges], rotation=45, fontsize=7)
+        ax.set_xlabel("draft entropy H(q), nats")
+    left.set_ylabel("fraction of tokens")
+    left.set_title("entropy of accepted vs rejected draft tokens", fontsize=9)
+    right.set_ylabel("acceptance rate")
+    right.set_title("acceptance rate by entropy bin", fontsize=9)
+    if bins:
+        left.legend(fontsize=6)
+        right.legend(fontsize=6)
+    else:
+        left.text(0.5, 0.5, "no judged draft tokens", ha="center", va="center", transform=left.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

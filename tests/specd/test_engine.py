@@ -53,6 +53,16 @@ def test_speculation_actually_happens(tiny_target, tiny_draft):
     assert out.stats.verifications < N
 
 
+def test_judged_tokens_stop_at_the_first_rejection(tiny_target, tiny_draft):
+    out = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target)).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("constant"))
+    s = out.stats
+    rejected_rounds = sum(n < k for k, n in zip(s.draft_lengths, s.accepted_lengths))
+    assert s.judged_accepted.count(True) == s.accepted
+    assert s.judged_accepted.count(False) == rejected_rounds
+    assert len(s.judged_entropies) == len(s.judged_accepted)
+
+
 def test_oracle_discards_nothing(tiny_target, tiny_draft, hf_greedy):
     want = hf_greedy(tiny_target.model, PROMPTS[0], N)
     out = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target)).generate(

@@ -63,7 +63,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, capsys):
         assert rec["verifications"] <= rec["disagreements"] + 1
     report = (out / "report.md").read_text()
     assert "| hf/svip |" in report and "% of oracle" in report
-    for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png"):
+    for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png", "entropy.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 

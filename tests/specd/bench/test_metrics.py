@@ -87,5 +87,14 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert curve.round_time(2) == pytest.approx(2 * 0.5 + 3.0)
     b = bound([2, 0], curve, t_prefill=1.0)
     assert b["new_tokens"] == 4 and b["verifications"] == 2
-    assert b["time_s"] == pytest.approx(1.0 + 4.0 + 1.0)
-    assert b["tokens_per_s"] == pytest.approx(4 / 6)
+    # the first round's verification is the prefill: prefill + its 2 draft steps + round 2 (t_target(1))
+    assert b["time_s"] == pytest.approx(1.0 + 2 * 0.5 + 1.0)
+    assert b["tokens_per_s"] == pytest.approx(4 / 3)
+
+
+def test_entropy_bins_split_by_outcome():
+    from specd.bench.metrics import ENTROPY_EDGES, entropy_bins
+
+    bins = entropy_bins([0.0, 0.3, 0.3, 7.0], [True, True, False, False])
+    assert bins["accepted"][0] == 1 and bins["accepted"][2] == 1 and bins["rejected"][2] == 1
+    assert bins["rejected"][-1] == 1 and len(bins["accepted"]) == len(ENTROPY_EDGES) - 1
