@@ -7,8 +7,9 @@
   accepted window, else K -= 1) and the dynamic confidence threshold
   (assistant_confidence_threshold, re-fitted from an ROC curve; transformers only adapts it
   when scikit-learn is installed, which results.json records).
-Assisted peers need a separate draft model (--drafter hf --draft-model); otherwise they are
-skipped with a recorded reason.
+Assisted peers use the separate draft model (--drafter hf --draft-model) or, for the
+early-exit drafter with an untrained adapter, a transformers model made of the target's own
+first k layers, norm and head (the same drafter); otherwise they are skipped with a reason.
 """
 
 from __future__ import annotations
@@ -43,8 +44,29 @@ def sklearn_available() -> bool:
 def skip_reason(peer: str, draft_model: LoadedModel | None) -> str | None:
     """Why a peer cannot run with these models, or None."""
     if peer in _ASSISTANT_FIELDS and draft_model is None:
-        return "needs a separate draft model (--drafter hf --draft-model DIR)"
+        return ("needs a separate draft model (--drafter hf --draft-model DIR) or the early-exit "
+                "drafter with an untrained adapter")
     return None
+
+
+def early_exit_assistant(drafter) -> LoadedModel:
+    """The early-exit drafter as a transformers model sharing the target's weights (its adapter
+    is the identity while untrained, so this is the same drafter), for assisted generation."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    target = drafter.target
+    config = copy.deepcopy(target.model.config)
+    config.num_hidden_layers = drafter.layers
+    with torch.device("meta"):
+        shallow = AutoModelForCausalLM.from_config(config)
+    shallow.model = drafter.decoder
+    shallow.lm_head = drafter.lm_head
+    shallow.generation_config = copy.deepcopy(target.model.generation_config)
+    shallow.eval()
+    return LoadedModel(drafter.name, shallow, target.tokenizer, target.device, target.max_context,
+                       target.eos_token_ids)
 
 
 class PeerRunner:

@@ -14,7 +14,7 @@ from specd.bench import oracle as orc
 from specd.bench.configs import BASELINE, BenchSettings, Config, build_configs
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.metrics import peer_record, run_record
-from specd.bench.peers import PeerRunner, skip_reason
+from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.policies import OraclePolicy
@@ -37,6 +37,8 @@ def load_models(s: BenchSettings) -> Models:
     target = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
     draft_model = load_model(s.draft_model, s.device, s.dtype, s.cache_dir) if s.draft_model else None
     drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter) for d in s.drafters}
+    if draft_model is None and "early-exit" in drafters and s.draft_adapter is None:
+        draft_model = early_exit_assistant(drafters["early-exit"])  # the peers' assistant
     return Models(target, draft_model, drafters, _heads(s, target))
 
 

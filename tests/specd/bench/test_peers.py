@@ -1,0 +1,28 @@
+"""The transformers peers run with the same pair as ours: the early-exit drafter as an assistant."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.bench.peers import PeerRunner, early_exit_assistant
+from specd.drafters import EarlyExitDrafter
+from specd.models.session import KVSession, hf_forward
+from specd.types import SamplingParams
+
+
+def test_early_exit_assistant_is_the_same_drafter(tiny_target):
+    drafter = EarlyExitDrafter(tiny_target, layers=2)
+    assistant = early_exit_assistant(drafter)
+    ids = [5, 9, 17, 33]
+    ours, _ = KVSession(drafter.forward, tiny_target.device).extend(ids, 2)
+    theirs, _ = KVSession(hf_forward(assistant.model), tiny_target.device).extend(ids, 2)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_assisted_peer_with_early_exit_is_lossless(tiny_target, hf_greedy):
+    peers = PeerRunner(tiny_target, early_exit_assistant(EarlyExitDrafter(tiny_target, layers=2)))
+    prompt = [5, 9, 17, 33, 5, 9, 17]
+    want = hf_greedy(tiny_target.model, prompt, 16, eos=2)
+    for peer in ("hf-assisted", "hf-heuristic"):
+        ids, wall = peers.generate(peer, prompt, SamplingParams(max_new_tokens=16))
+        assert ids == want and wall > 0
