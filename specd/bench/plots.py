@@ -62,32 +62,42 @@ def histogram_plot(doc: dict, key: str, xlabel: str, path: Path) -> Path:
 
 
 def entropy_plot(doc: dict, path: Path) -> Path:
-    """SVIP's Table 1 analysis: where judged draft tokens fall in entropy, accepted vs rejected
-    (left), and the acceptance rate per entropy bin (right), per configuration."""
-    bins = {k: a["entropy_bins"] for k, a in doc["aggregates"].items()
-            if a.get("entropy_bins") and sum(a["entropy_bins"]["accepted"]) + sum(a["entropy_bins"]["rejected"])}
+    """SVIP's Table 1 analysis per drafter (its configurations pooled): where judged draft
+    tokens fall in entropy, accepted vs rejected (left), and the acceptance rate per entropy bin
+    (right). Point-mass drafters (n-gram: H = 0 always) carry no information and are left out."""
+    pooled: dict[str, dict] = {}
+    edges: list = []
+    for label, agg in doc["aggregates"].items():
+        b = agg.get("entropy_bins")
+        if not b or "/" not in label:
+            continue
+        edges = b["edges"]
+        p = pooled.setdefault(label.split("/")[0], {"accepted": [0] * len(b["accepted"]),
+                                                     "rejected": [0] * len(b["rejected"])})
+        for key in ("accepted", "rejected"):
+            p[key] = [x + y for x, y in zip(p[key], b[key])]
+    pooled = {d: b for d, b in pooled.items() if sum(b["accepted"][1:]) + sum(b["rejected"][1:])}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, b in bins.items():
-        centers = list(range(len(b["accepted"])))
+    for drafter, b in pooled.items():
         acc, rej = b["accepted"], b["rejected"]
-        total_acc, total_rej = max(sum(acc), 1), max(sum(rej), 1)
-        left.plot(centers, [a / total_acc for a in acc], marker="o", label=f"{label} accepted")
-        left.plot(centers, [r / total_rej for r in rej], marker="x", linestyle="--", label=f"{label} rejected")
-        rate = [a / (a + r) if a + r else float("nan") for a, r in zip(acc, rej)]
-        right.plot(centers, rate, marker="o", label=label)
-    edges = doc["aggregates"][next(iter(bins))]["entropy_bins"]["edges"] if bins else []
+        xs = list(range(len(acc)))
+        left.plot(xs, [a / max(sum(acc), 1) for a in acc], marker="o", label=f"{drafter}: accepted")
+        left.plot(xs, [r / max(sum(rej), 1) for r in rej], marker="x", linestyle="--", label=f"{drafter}: rejected")
+        right.plot(xs, [a / (a + r) if a + r else float("nan") for a, r in zip(acc, rej)], marker="o",
+                   label=f"{drafter} ({sum(acc) + sum(rej)} tokens)")
     for ax in (left, right):
-        ax.set_xticks(range(len(edges)), [f">={e}" for e in edges], rotation=45, fontsize=7)
-        ax.set_xlabel("draft entropy H(q), nats")
-    left.set_ylabel("fraction of tokens")
+        ax.set_xticks(range(len(edges) - 1), [f"{e}+" for e in edges[:-1]], rotation=45, fontsize=7)
+        ax.set_xlabel("draft entropy H(q), nats (bin lower edge)")
+    left.set_ylabel("fraction of judged tokens")
     left.set_title("entropy of accepted vs rejected draft tokens", fontsize=9)
     right.set_ylabel("acceptance rate")
     right.set_title("acceptance rate by entropy bin", fontsize=9)
-    if bins:
-        left.legend(fontsize=6)
-        right.legend(fontsize=6)
+    if pooled:
+        left.legend(fontsize=7)
+        right.legend(fontsize=7)
     else:
-        left.text(0.5, 0.5, "no judged draft tokens", ha="center", va="center", transform=left.transAxes)
+        left.text(0.5, 0.5, "no model drafter with judged tokens", ha="center", va="center",
+                  transform=left.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
