@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specd", description="Speculative decoding with adaptive draft stopping.")
     parser.add_argument("--version", action="version", version=f"specd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_generate(sub)
+    _add_train_head(sub)
+    _add_bench(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text in-process with speculative decoding")
     g.add_argument("prompt", help="the prompt (a user message when --chat)")
     _add_model_args(g)
@@ -78,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
     g.set_defaults(func=cmd_generate)
 
+
+def _add_train_head(sub) -> None:
     t = sub.add_parser("train-head", help="train the SpecDec++ acceptance head from target generations")
     _add_model_args(t)
     t.set_defaults(drafter="early-exit")
@@ -90,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, required=True, help="where to write the head (safetensors)")
     t.set_defaults(func=cmd_train_head)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmark policies, drafters and peers (results.json, report.md, PNGs)")
     _add_model_args(b)
     b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
@@ -107,7 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from specd.errors import InvalidRequest, ModelError
 from specd.models.embedded import EMBEDDED_NAME, embedded_dir
 from specd.models.session import KVSession, hf_forward
 
-log = logging.getLogger(__name__)
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
 
 

@@ -9,7 +9,7 @@ import torch
 from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models.tiny import loaded, tiny_llama
+from specd.models.tiny import loaded
 from specd.policies import POLICIES, AcceptanceHead
 from specd.state import MemoryStateStore
 from specd.types import SamplingParams, SpecParams
