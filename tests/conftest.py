@@ -55,3 +55,19 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int, eos: int | Non
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                          pad_token_id=model.config.pad_token_id, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def specd_cli(capsys):
+    """Run the `specd` command in-process: argv -> (exit code, stdout, stderr)."""
+    from specd.cli import main
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

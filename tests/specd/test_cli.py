@@ -8,22 +8,12 @@ import sys
 
 import pytest
 
-from specd.cli import main
 
 
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_generate_json_shape(tiny_dirs, capsys):
+def test_generate_json_shape(tiny_dirs, specd_cli):
     target, draft = map(str, tiny_dirs)
-    code, out, err = run(["generate", "hello", "--target-model", target, "--drafter", "hf", "--draft-model",
-                          draft, "--policy", "adaedl", "--max-new-tokens", "12", "--json"], capsys)
+    code, out, err = specd_cli(["generate", "hello", "--target-model", target, "--drafter", "hf", "--draft-model",
+                          draft, "--policy", "adaedl", "--max-new-tokens", "12", "--json"])
     assert code == 0, err
     doc = json.loads(out)
     assert set(doc) == {"text", "token_ids", "stats"}
@@ -36,13 +26,13 @@ def test_generate_json_shape(tiny_dirs, capsys):
     assert sum(stats["draft_lengths"]) == stats["drafted"]
 
 
-def test_greedy_policies_agree_with_none(tiny_dirs, capsys):
+def test_greedy_policies_agree_with_none(tiny_dirs, specd_cli):
     target, draft = map(str, tiny_dirs)
     outs = {}
     for policy in ("none", "svip", "heuristic"):
-        code, out, err = run(["generate", "hi there", "--target-model", target, "--drafter", "hf",
+        code, out, err = specd_cli(["generate", "hi there", "--target-model", target, "--drafter", "hf",
                               "--draft-model", draft, "--policy", policy, "--max-new-tokens", "16",
-                              "--json"], capsys)
+                              "--json"])
         assert code == 0, err
         outs[policy] = json.loads(out)["token_ids"]
     assert outs["svip"] == outs["none"] == outs["heuristic"]
@@ -70,22 +60,22 @@ BAD = [
 
 
 @pytest.mark.parametrize("extra, mention", BAD)
-def test_bad_input_is_one_line(tiny_dirs, capsys, extra, mention):
+def test_bad_input_is_one_line(tiny_dirs, specd_cli, extra, mention):
     argv = ["generate", "hello", "--target-model", str(tiny_dirs[0]), "--policy", "constant", *extra]
     if "--policy" in extra:
         argv[argv.index("constant") - 1:argv.index("constant") + 1] = []
-    code, out, err = run(argv, capsys)
+    code, out, err = specd_cli(argv)
     assert code == 2
     assert mention in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_empty_prompt_missing_model_and_long_prompt(tiny_dirs, capsys):
+def test_empty_prompt_missing_model_and_long_prompt(tiny_dirs, specd_cli):
     for argv, mention in [
         (["generate", "   ", "--target-model", str(tiny_dirs[0])], "prompt"),
         (["generate", "hi", "--target-model", "/no/such/dir"], "/no/such/dir"),
         (["generate", "x" * 600, "--target-model", str(tiny_dirs[0]), "--no-chat"], "context"),
     ]:
-        code, out, err = run(argv, capsys)
+        code, out, err = specd_cli(argv)
         assert code == 2 and mention in err and len(err.strip().splitlines()) == 1
 
 

@@ -7,18 +7,8 @@ import json
 
 import pytest
 
-from specd.cli import main
 
 PROMPTS = ["hello there", "count to five", "the cat sat on the mat, the cat"]
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -35,10 +25,10 @@ def bench_args(tiny_dirs, dataset, out, *extra):
             "--draft-model", draft, "--max-new-tokens", "8", "--out", str(out), *extra]
 
 
-def test_bench_smoke(tiny_dirs, dataset, tmp_path, capsys):
+def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     out = tmp_path / "out"
-    code, stdout, err = run(bench_args(tiny_dirs, dataset, out, "--policies", "constant,heuristic,svip",
-                                       "--baselines", "ar,hf-prompt-lookup,hf-assisted", "--json"), capsys)
+    code, stdout, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--policies", "constant,heuristic,svip",
+                                       "--baselines", "ar,hf-prompt-lookup,hf-assisted", "--json"))
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert json.loads(stdout) == doc
@@ -67,12 +57,12 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, capsys):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, capsys):
+def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     out = tmp_path / "out"
     target, _ = map(str, tiny_dirs)
-    code, _, err = run(["bench", "--dataset", str(dataset), "--target-model", target, "--limit", "1",
+    code, _, err = specd_cli(["bench", "--dataset", str(dataset), "--target-model", target, "--limit", "1",
                         "--turn", "all", "--policies", "constant,specdec++", "--max-new-tokens", "6",
-                        "--baselines", "hf-heuristic", "--out", str(out)], capsys)
+                        "--baselines", "hf-heuristic", "--out", str(out)])
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert [p["key"] for p in doc["prompts"]] == ["0#t1", "0#t2"]
@@ -84,24 +74,24 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, capsys):
     assert doc["aggregates"]["ngram/oracle"]["discard_rate"] == 0.0
 
 
-def test_bad_dataset_line_is_named(tiny_dirs, tmp_path, capsys):
+def test_bad_dataset_line_is_named(tiny_dirs, tmp_path, specd_cli):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"turns": ["ok"]}\n{"turns": "not a list"}\n')
-    code, _, err = run(bench_args(tiny_dirs, path, tmp_path / "o"), capsys)
+    code, _, err = specd_cli(bench_args(tiny_dirs, path, tmp_path / "o"))
     assert code == 2 and f"{path}:2:" in err and "turns" in err and "Traceback" not in err
     path.write_text('{"turns": ["ok"]}\n\n{not json\n')
-    code, _, err = run(bench_args(tiny_dirs, path, tmp_path / "o"), capsys)
+    code, _, err = specd_cli(bench_args(tiny_dirs, path, tmp_path / "o"))
     assert code == 2 and f"{path}:3: invalid JSON" in err
 
 
 @pytest.mark.parametrize("flag, value, name", [("--policies", "constant,warp", "'warp'"),
                                                ("--baselines", "ar,vllm", "'vllm'"),
                                                ("--drafter", "ngram,magic", "'magic'")])
-def test_unknown_names_are_refused(tiny_dirs, dataset, tmp_path, capsys, flag, value, name):
+def test_unknown_names_are_refused(tiny_dirs, dataset, tmp_path, specd_cli, flag, value, name):
     argv = bench_args(tiny_dirs, dataset, tmp_path / "o")
     if flag == "--drafter":
         argv[argv.index("--drafter") + 1] = value
     else:
         argv += [flag, value]
-    code, _, err = run(argv, capsys)
+    code, _, err = specd_cli(argv)
     assert code == 2 and name in err and len(err.strip().splitlines()) == 1
