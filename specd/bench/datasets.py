@@ -2,7 +2,7 @@
 Zheng et al. 2023; the Alpaca set in ../shared/datasets uses the same shape).
 
 A second turn is a conversation: [user t1, assistant answer1, user t2], where answer1 is the
-target's own answer to t1, generated once before timing starts (runner.first_answers).
+target's own answer to t1, generated once before timing starts (BenchRun.encode_prompts).
 """
 
 from __future__ import annotations
