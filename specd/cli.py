@@ -15,8 +15,6 @@ from pathlib import Path
 from specd import __version__
 from specd.errors import InvalidRequest, SpecdError
 
-DATA_DIR = Path(__file__).parent / "data"
-DEFAULT_HEAD = DATA_DIR / "specdecpp-smollm2-early-exit-4.safetensors"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,17 +151,12 @@ def _load(args):
     return target, drafter
 
 
-def _specdecpp_head(args, drafter):
-    from specd.policies import AcceptanceHead
+def _specdecpp_head(args, target, drafter):
+    """--specdecpp-head, else the head bundled for this drafter, on the target's device."""
+    from specd.policies import AcceptanceHead, bundled_head_path
 
-    path = args.specdecpp_head
-    # The bundled head was trained on the embedded pair's untrained early-exit-4 hidden states.
-    if path is None and args.target_model in ("embedded", "smollm2-135m-instruct") \
-            and args.drafter == "early-exit" and args.draft_layers == 4 and not args.draft_adapter:
-        path = DEFAULT_HEAD
-    if path is None:
-        return None
-    return AcceptanceHead.load(path).to(drafter.target.device if hasattr(drafter, "target") else "cpu")
+    path = args.specdecpp_head or bundled_head_path(drafter.name)
+    return AcceptanceHead.load(path).to(target.device) if path is not None else None
 
 
 def cmd_generate(args) -> int:
@@ -178,7 +171,7 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
     target, drafter = _load(args) if args.policy != "none" else (_load_target(args), None)
-    head = _specdecpp_head(args, drafter) if args.policy == "specdec++" else None
+    head = _specdecpp_head(args, target, drafter) if args.policy == "specdec++" else None
     engine = SpeculativeEngine(target, drafter, specdecpp_head=head)
     prompt = target.encode_prompt(args.prompt, args.chat)
     reference = None

@@ -20,7 +20,6 @@ from specd.engine import SpeculativeEngine
 from specd.policies import OraclePolicy
 from specd.types import SamplingParams, SpecParams
 
-BUNDLED_HEAD_PAIR = ("smollm2-135m-instruct", "early-exit", 4)
 
 
 @dataclass
@@ -39,18 +38,15 @@ def load_models(s: BenchSettings) -> Models:
     drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter) for d in s.drafters}
     if draft_model is None and "early-exit" in drafters and s.draft_adapter is None:
         draft_model = early_exit_assistant(drafters["early-exit"])  # the peers' assistant
-    return Models(target, draft_model, drafters, _heads(s, target))
+    return Models(target, draft_model, drafters, _heads(drafters, target))
 
 
-def _heads(s: BenchSettings, target) -> dict:
-    """The bundled SpecDec++ head, for the pair it was trained on only."""
-    from specd.cli import DEFAULT_HEAD
-    from specd.policies import AcceptanceHead
+def _heads(drafters: dict, target) -> dict:
+    """The bundled SpecDec++ head of each drafter that has one (kind -> head)."""
+    from specd.policies import AcceptanceHead, bundled_head_path
 
-    pair = (target.name.lower(), "early-exit", s.draft_layers)
-    if "early-exit" in s.drafters and pair == BUNDLED_HEAD_PAIR and s.draft_adapter is None:
-        return {"early-exit": AcceptanceHead.load(DEFAULT_HEAD).to(target.device)}
-    return {}
+    paths = {kind: bundled_head_path(d.name) for kind, d in drafters.items()}
+    return {kind: AcceptanceHead.load(p).to(target.device) for kind, p in paths.items() if p is not None}
 
 
 class BenchRun:

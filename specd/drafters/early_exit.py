@@ -44,6 +44,7 @@ class EarlyExitDrafter(Drafter):
             raise InvalidRequest("draft_layers", f"must be in [1, {total - 1}] for this target, got {layers}")
         self.target = target
         self.layers = layers
+        self.adapter_name: str | None = None  # set once a trained adapter is loaded
         # A shallow copy of the decoder that shares every module but keeps only k layers;
         # its attention layers keep layer_idx 0..k-1, so it can own a k-layer DynamicCache.
         self.decoder = copy.copy(base)
@@ -59,7 +60,9 @@ class EarlyExitDrafter(Drafter):
 
     @property
     def name(self) -> str:
-        return f"{self.target.name}:early-exit-{self.layers}"
+        # A trained adapter is a different drafter: its shared policy state and heads are its own.
+        base = f"{self.target.name}:early-exit-{self.layers}"
+        return f"{base}+{self.adapter_name}" if self.adapter_name else base
 
     def load_adapter(self, path: str | Path) -> None:
         path = Path(path)
@@ -69,6 +72,7 @@ class EarlyExitDrafter(Drafter):
             self.adapter.load_state_dict(load_file(str(path), device=str(self.target.device)))
         except RuntimeError as e:
             raise ModelError(f"adapter {path} does not fit this drafter: {e}") from e
+        self.adapter_name = path.stem
 
     def save_adapter(self, path: str | Path) -> None:
         save_file({k: v.contiguous() for k, v in self.adapter.state_dict().items()}, str(path))

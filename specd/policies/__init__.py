@@ -12,7 +12,7 @@ from specd.policies.constant import ConstantPolicy
 from specd.policies.heuristic import HeuristicPolicy
 from specd.policies.max_confidence import MaxConfidencePolicy
 from specd.policies.oracle import OraclePolicy
-from specd.policies.specdecpp import AcceptanceHead, SpecDecPPPolicy
+from specd.policies.specdecpp import AcceptanceHead, SpecDecPPPolicy, bundled_head_path
 from specd.policies.svip import SvipPolicy
 
 POLICIES: dict[str, type[StoppingPolicy]] = {
@@ -37,5 +37,5 @@ def build_policy(name: str, overrides: dict[str, Any], state: dict[str, float] |
     return cls(cls.Params.from_overrides(overrides), state, resources)
 
 
-__all__ = ["POLICIES", "NO_SPECULATION", "AcceptanceHead", "Decision", "PolicyParams",
+__all__ = ["POLICIES", "NO_SPECULATION", "AcceptanceHead", "bundled_head_path", "Decision", "PolicyParams",
            "PolicyResources", "StoppingPolicy", "build_policy", "policy_class"]

@@ -25,6 +25,18 @@ from specd.policies.base import Decision, PolicyParams, PolicyResources, Stoppin
 from specd.types import DraftStep
 
 
+# Heads shipped with specd, by the name of the drafter whose hidden states they were trained on.
+BUNDLED_HEADS = {
+    "smollm2-135m-instruct:early-exit-4": Path(__file__).resolve().parent.parent / "data"
+    / "specdecpp-smollm2-early-exit-4.safetensors",
+}
+
+
+def bundled_head_path(drafter_name: str) -> Path | None:
+    """The bundled head trained for this drafter, if specd ships one."""
+    return BUNDLED_HEADS.get(drafter_name)
+
+
 class AcceptanceHead(nn.Module):
     """D residual blocks h <- h + W2 silu(W1 norm(h)) on the draft hidden state, then a
     linear map to one logit of acceptance."""

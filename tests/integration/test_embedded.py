@@ -45,13 +45,15 @@ def test_cached_load_is_fast(embedded):
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "early-exit"])
 def test_every_policy_is_lossless_on_the_embedded_model(embedded, prompts_and_refs, drafter_kind):
-    from specd.cli import DEFAULT_HEAD
+    from specd.policies import bundled_head_path
 
     drafter = NgramDrafter() if drafter_kind == "ngram" else EarlyExitDrafter(embedded, 4)
-    head = AcceptanceHead.load(DEFAULT_HEAD) if DEFAULT_HEAD.is_file() else None
+    head_path = bundled_head_path(drafter.name)
+    assert (head_path is not None) == (drafter_kind == "early-exit")  # the head ships in the package
+    head = AcceptanceHead.load(head_path) if head_path else None
     engine = SpeculativeEngine(embedded, drafter, specdecpp_head=head)
     for policy in sorted(POLICIES):
-        if policy == "specdec++" and (drafter_kind == "ngram" or head is None):
+        if policy == "specdec++" and head is None:
             continue
         for prompt, want in prompts_and_refs:
             out = engine.generate(prompt, SamplingParams(max_new_tokens=N), SpecParams(policy), reference=want)

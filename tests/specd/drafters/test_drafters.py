@@ -57,6 +57,8 @@ def test_early_exit_adapter_round_trip(tiny_target, tmp_path):
     path = tmp_path / "adapter.safetensors"
     drafter.save_adapter(path)
     again = EarlyExitDrafter(tiny_target, layers=2, adapter_path=path)
+    # a trained adapter is another drafter: its own shared policy state, no untrained-pair head
+    assert drafter.name == "tiny-target:early-exit-2" and again.name == "tiny-target:early-exit-2+adapter"
     ids = torch.tensor([[5, 9, 17]])
     from transformers import DynamicCache
 

@@ -408,3 +408,12 @@ def test_specdecpp_head_saves_and_loads(tmp_path):
     loaded = AcceptanceHead.load(tmp_path / "head.safetensors")
     policy = build_policy("specdec++", {}, None, PolicyResources(specdecpp_head=loaded))
     assert stop_index(policy, hidden=torch.zeros(4)) == 6
+
+
+def test_bundled_head_is_found_by_drafter_name_only():
+    from specd.policies import bundled_head_path
+
+    path = bundled_head_path("smollm2-135m-instruct:early-exit-4")
+    assert path is not None and path.is_file()
+    assert bundled_head_path("smollm2-135m-instruct:early-exit-4+my-adapter") is None
+    assert bundled_head_path("ngram-3") is None
