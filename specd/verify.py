@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.sampling import js_distance, sample
+from specd.sampling import js_distance, logits_to_probs, sample
+from specd.types import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +104,24 @@ def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, thresh
         nxt = _sample_residual(p[n], q[n], int(draft[n]), generator)
     num_relaxed = int((~strict_ok[:n]).sum())
     return Verdict(n, nxt, n_strict, num_relaxed, js_list)
+
+
+def verify_window(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampling: SamplingParams,
+                  generator: torch.Generator | None, relaxed_threshold: float | None = None,
+                  relaxed: bool = False) -> Verdict:
+    """One verification: target logits [k+1, V] after the committed tokens and x_1..x_k.
+
+    q [k, V] is the stacked draft distribution (None: point mass, or greedy where it is not
+    read); relaxed turns on AdaSD's rule with relaxed_threshold (None: no relaxation yet).
+    """
+    x = torch.tensor(draft, dtype=torch.long, device=logits.device)
+    if relaxed and draft:
+        # p and q as full distributions: at the sampling temperature, or T = 1 for greedy.
+        p = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        return verify_relaxed(p, q, x, relaxed_threshold, sampling.greedy, generator)
+    if sampling.greedy:
+        return verify_greedy(logits, x)
+    p = logits_to_probs(logits, sampling)
+    if not draft:
+        return Verdict(0, int(sample(p[0], generator)), 0)
+    return verify_sampling(p, q, x, generator)

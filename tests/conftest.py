@@ -71,3 +71,94 @@ def specd_cli(capsys):
         return code, out, err
 
     return run
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port; its data lives under `dir`."""
+
+    def __init__(self, binary: str, dir) -> None:
+        self.binary, self.dir, self.port, self.proc = binary, dir, 0, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, port: int | None = None) -> None:
+        import socket
+        import subprocess
+        import time
+
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        for _ in range(3):  # a free port can be taken between choosing it and binding it
+            if port is None:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    self.port = s.getsockname()[1]
+            else:
+                self.port = port
+            # --save "": no snapshots of its own; restart() saves explicitly before stopping.
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1,
+                                 retry=Retry(NoBackoff(), 0))
+            deadline = time.monotonic() + 10
+            try:
+                while time.monotonic() < deadline and self.proc.poll() is None:
+                    try:
+                        if client.ping():
+                            return
+                    except redis.exceptions.RedisError:
+                        time.sleep(0.05)
+            finally:
+                client.close()
+            self.stop()
+        pytest.fail(f"redis-server did not answer PING on 127.0.0.1:{self.port}", pytrace=False)
+
+    def restart(self) -> None:
+        """Save a snapshot, stop the server, start it again on the same port with the same data."""
+        import redis
+
+        with redis.Redis(port=self.port) as client:
+            client.save()
+        self.stop()
+        self.start(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server for this test session (Debian's package: `make test` installs it)."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not on PATH: install it with `sudo apt-get install -y redis-server` "
+                    "(`make redis` or `make test` do it on Debian).", pytrace=False)
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session server's URL, its database flushed before the test."""
+    import redis
+
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushdb()
+    return redis_server.url

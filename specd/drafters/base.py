@@ -51,8 +51,9 @@ class Drafter(ABC):
         """Identifies the drafter's weights in shared policy state and statistics."""
 
     @abstractmethod
-    def open(self) -> DraftSession:
-        """A fresh session for one request."""
+    def open(self, vocab_size: int | None = None) -> DraftSession:
+        """A fresh session for one request; vocab_size: the target's, when it differs from
+        the drafter's own (distributions are cropped or padded to it)."""
 
 
 class ModelDraftSession(DraftSession):

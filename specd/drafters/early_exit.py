@@ -82,5 +82,5 @@ class EarlyExitDrafter(Drafter):
         h = self.adapter(h[0, -num_logits:])
         return self.lm_head(h), (h if want_hidden else None)
 
-    def open(self) -> ModelDraftSession:
-        return ModelDraftSession(KVSession(self.forward, self.target.device), self.target.vocab_size)
+    def open(self, vocab_size: int | None = None) -> ModelDraftSession:
+        return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size or self.target.vocab_size)

@@ -19,5 +19,5 @@ class HfDrafter(Drafter):
     def name(self) -> str:
         return self.draft.name
 
-    def open(self) -> ModelDraftSession:
-        return ModelDraftSession(self.draft.session(), self.vocab_size)
+    def open(self, vocab_size: int | None = None) -> ModelDraftSession:
+        return ModelDraftSession(self.draft.session(), vocab_size or self.vocab_size)

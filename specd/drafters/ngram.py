@@ -54,5 +54,5 @@ class NgramDrafter(Drafter):
     def name(self) -> str:
         return f"ngram-{self.max_ngram}"
 
-    def open(self) -> NgramSession:
+    def open(self, vocab_size: int | None = None) -> NgramSession:
         return NgramSession(self.max_ngram, self.min_ngram, self.lookahead)

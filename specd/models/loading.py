@@ -39,18 +39,23 @@ class LoadedModel:
         """Token ids of a prompt; chat=True applies the tokenizer's chat template."""
         if self.tokenizer is None:
             raise ModelError(f"model {self.name} has no tokenizer")
-        if isinstance(prompt, str) and not prompt.strip():
-            raise InvalidRequest("prompt", "must not be empty")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
-        if not isinstance(prompt, str):
-            raise InvalidRequest("prompt", f"model {self.name} has no chat template for messages")
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """Token ids of a prompt (a string, or chat messages); chat=True applies the chat template."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise InvalidRequest("prompt", "must not be empty")
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    if not isinstance(prompt, str):
+        raise InvalidRequest("prompt", "this model has no chat template for messages")
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
 def resolve_device(device: str) -> torch.device:

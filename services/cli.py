@@ -1,0 +1,206 @@
+"""`specd serve draft|target|coordinator|gateway` and `specd up`.
+
+Flags of `serve` are generated from each service's settings class (services.common.settings),
+so a flag, its SPECD_* environment variable and its validation can never disagree; a flag
+given on the command line wins over the environment.
+
+`specd up` starts all four services on free loopback ports with the embedded defaults,
+waits until every health check passes, prints the gateway URL and an example curl, answers
+one sample request, and shuts everything down on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services.common.settings import CoordinatorSettings, DraftSettings, GatewaySettings, TargetSettings
+from specd.errors import SpecdError
+
+SERVICES = {"draft": DraftSettings, "target": TargetSettings, "coordinator": CoordinatorSettings,
+            "gateway": GatewaySettings}
+
+
+def add_commands(sub) -> None:
+    serve = sub.add_parser("serve", help="run one service: draft, target, coordinator or gateway")
+    which = serve.add_subparsers(dest="service", required=True, parser_class=type(serve))
+    for name, settings in SERVICES.items():
+        p = which.add_parser(name, help=(settings.__doc__ or f"the {name} service").splitlines()[0],
+                             description=f"Settings also come from SPECD_{name.upper()}_* environment variables.")
+        for field, info in settings.model_fields.items():
+            p.add_argument(f"--{field.replace('_', '-')}", dest=field, default=None, metavar="VALUE",
+                           help=f"{info.description or ''} (default: {info.default!r})")
+        p.set_defaults(func=cmd_serve)
+    up = sub.add_parser("up", help="start draft, target, coordinator and gateway on this machine")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0 = any free port)")
+    up.add_argument("--drafter", default="ngram", help="ngram (default) | early-exit | hf")
+    up.add_argument("--draft-model", help="transformers directory for --drafter hf")
+    up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
+    up.add_argument("--policy", default="heuristic", help="default stopping policy of requests")
+    up.add_argument("--no-overlap", action="store_true", help="turn PEARL overlap off")
+    up.add_argument("--redis-url", help="Redis for shared policy state (default: in-process memory)")
+    up.add_argument("--no-sample", action="store_true", help="do not send the sample request")
+    up.add_argument("--exit-after-sample", action="store_true", help="stop once the sample is answered")
+    up.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
+    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health checks")
+    up.set_defaults(func=cmd_up)
+
+
+def _settings(name: str, args: argparse.Namespace):
+    cls = SERVICES[name]
+    given = {f: getattr(args, f) for f in cls.model_fields if getattr(args, f, None) is not None}
+    try:
+        return cls(**given)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        raise SpecdError(f"{name} setting {field}: {err['msg']}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    settings = _settings(args.service, args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.service == "draft":
+        from services.draft.main import serve
+    elif args.service == "target":
+        from services.target.main import serve
+    elif args.service == "coordinator":
+        from services.coordinator.main import serve
+    else:
+        from services.gateway.main import serve
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- specd up ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plan(args) -> list[tuple[str, list[str], int]]:
+    """(name, flags, port) of each service, in start order."""
+    draft, target, coord = _free_port(), _free_port(), _free_port()
+    gateway = args.port or _free_port()
+    cpus = os.cpu_count() or 2
+    draft_flags = ["--drafter", args.drafter, "--target-model", args.target_model]
+    if args.draft_model:
+        draft_flags += ["--draft-model", args.draft_model]
+    if args.drafter != "ngram":  # two models on one CPU: split the cores instead of fighting over them
+        draft_flags += ["--threads", str(max(1, cpus // 4))]
+    redis = ["--redis-url", args.redis_url] if args.redis_url else []
+    return [
+        ("target", ["--model", args.target_model], target),
+        ("draft", draft_flags, draft),
+        ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
+                         "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis], coord),
+        ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy], gateway),
+    ]
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+    plan = _plan(args)
+    try:
+        for name, flags, port in plan:
+            log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
+            procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", name, "--port", str(port), *flags],
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
+            _wait_healthy(name, port, procs, log_dir, args.startup_timeout)
+        url = f"http://127.0.0.1:{plan[-1][2]}"
+        _announce(url)
+        if not args.no_sample:
+            _sample(url)
+        if args.exit_after_sample:
+            return 0
+        print("\nspecd is up. Ctrl-C stops every service.", flush=True)
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        raise SpecdError(f"{', '.join(dead)} stopped; see {log_dir}")
+    except KeyboardInterrupt:
+        print("\nshutting down", flush=True)
+        return 0
+    finally:
+        _stop(procs)
+
+
+def _wait_healthy(name: str, port: int, procs, log_dir: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if procs[name].poll() is not None:
+            tail = (log_dir / f"{name}.log").read_text()[-2000:]
+            raise SpecdError(f"{name} exited with status {procs[name].returncode}:\n{tail}")
+        if _healthy(name, port):
+            return
+        time.sleep(0.3)
+    raise SpecdError(f"{name} did not pass its health check within {timeout_s:.0f} s; see {log_dir}")
+
+
+def _healthy(name: str, port: int) -> bool:
+    if name == "gateway":
+        import httpx
+
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    from services.common.server import check_health
+
+    return asyncio.run(check_health(f"127.0.0.1:{port}"))
+
+
+def _announce(url: str) -> None:
+    body = json.dumps({"model": "specd", "messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": 48, "speculative": {"policy": "heuristic"}})
+    print(f"\nspecd gateway: {url}/v1  (OpenAI-compatible; docs at {url}/docs)\n\nTry:\n"
+          f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",
+          flush=True)
+
+
+def _sample(url: str) -> None:
+    import httpx
+
+    question = "Explain speculative decoding in two sentences."
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+        "model": "specd", "messages": [{"role": "user", "content": question}], "max_tokens": 96})
+    reply.raise_for_status()
+    doc = reply.json()
+    s = doc.get("spec_stats", {})
+    print(f"sample request: {question}\n\n{doc['choices'][0]['message']['content']}\n\n"
+          f"[{doc['usage']['completion_tokens']} tokens, {s.get('tokens_per_s')} tok/s | policy {s.get('policy')}, "
+          f"drafter {s.get('drafter')} | accepted {s.get('accepted')}/{s.get('drafted')} drafted, "
+          f"{s.get('verifications')} verifications, overlap {s.get('overlap')}, fallback {s.get('fallback')}]",
+          flush=True)
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    for p in reversed(list(procs.values())):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()

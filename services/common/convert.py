@@ -1,0 +1,60 @@
+"""Protobuf <-> domain conversion shared by every service (STYLE.md habit 3): sampling
+parameters, exact draft distributions and model descriptions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.proto.specd.common.v1 import common_pb2
+from specd.models.loading import LoadedModel, tokenizer_fingerprint
+from specd.types import SamplingParams
+
+# A distribution with at most this fraction of non-zero entries is sent sparse: 8 bytes per
+# non-zero entry instead of 4 per vocabulary entry.
+SPARSE_FRACTION = 0.5
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.Sampling:
+    msg = common_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.Sampling, max_new_tokens: int = 1,
+                        stop: tuple[str, ...] = ()) -> SamplingParams:
+    seed = msg.seed if msg.HasField("seed") else None
+    # An unset message means greedy: proto3 defaults give top_p 0, which means "off" here.
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, seed, max_new_tokens, stop)
+
+
+def distribution_to_proto(q: torch.Tensor) -> common_pb2.Distribution:
+    """q [V] float32 -> Distribution, exact: sparse when most entries are zero."""
+    q = q.detach().to("cpu", torch.float32)
+    nonzero = q.nonzero().flatten()
+    if nonzero.numel() <= SPARSE_FRACTION * q.numel():
+        return common_pb2.Distribution(sparse=common_pb2.SparseDistribution(
+            indices=nonzero.tolist(), values=q[nonzero].tolist()))
+    return common_pb2.Distribution(dense_f32=q.numpy().astype("<f4", copy=False).tobytes())
+
+
+def distribution_from_proto(msg: common_pb2.Distribution, vocab_size: int,
+                            device: torch.device) -> torch.Tensor:
+    if msg.WhichOneof("encoding") == "dense_f32":
+        q = torch.from_numpy(np.frombuffer(msg.dense_f32, dtype="<f4").copy())
+        if q.numel() != vocab_size:
+            raise ValueError(f"distribution has {q.numel()} entries, the vocabulary {vocab_size}")
+    else:
+        q = torch.zeros(vocab_size)
+        q[torch.tensor(list(msg.sparse.indices), dtype=torch.long)] = torch.tensor(
+            list(msg.sparse.values), dtype=torch.float32)
+    return q.to(device)
+
+
+def model_info(m: LoadedModel) -> common_pb2.ModelInfo:
+    fingerprint = tokenizer_fingerprint(m.tokenizer) if m.tokenizer is not None else ""
+    dtype = str(next(m.model.parameters()).dtype).removeprefix("torch.")
+    return common_pb2.ModelInfo(name=m.name, vocab_size=m.vocab_size, tokenizer_fingerprint=fingerprint,
+                                max_context=m.max_context, eos_token_ids=sorted(m.eos_token_ids),
+                                device=f"{m.device}/{dtype}")

@@ -1,0 +1,79 @@
+"""Typed, validated settings shared by the service settings classes (STYLE.md habit 5):
+each service reads flags and `SPECD_<SERVICE>_*` environment variables through one
+pydantic-settings class; `SPECD_REDIS_URL` and `SPECD_CACHE_DIR` are shared by all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
+    port: int = Field(0, ge=0, le=65535, description="port to listen on (0: any free port)")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+
+
+class ModelSettings(ServiceSettings):
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present)")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
+    threads: int = Field(0, ge=0, le=1024, description="torch CPU threads (0: torch's default)")
+    cache_dir: Path | None = Field(None, validation_alias=AliasChoices("cache_dir", "SPECD_CACHE_DIR"),
+                                   description="where the embedded model's dequantized weights are kept")
+
+
+def redis_field():
+    return Field(None, validation_alias=AliasChoices("redis_url", "SPECD_REDIS_URL"),
+                 description="Redis for shared adaptive policy state (unset: in-process memory)")
+
+
+class DraftSettings(ModelSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECD_DRAFT_")
+
+    port: int = Field(50061, ge=0, le=65535)
+    drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram)$",
+                         description="ngram (no model), early-exit (the target's first layers) or hf")
+    target_model: str = Field("embedded", description="the target model: early-exit drafts with its layers")
+    draft_model: str | None = Field(None, description="transformers directory for --drafter hf")
+    draft_layers: int = Field(4, ge=1, le=256, description="target layers used by early-exit")
+    draft_adapter: Path | None = Field(None, description="trained early-exit adapter (safetensors)")
+    specdecpp_head: Path | None = Field(None, description="SpecDec++ head (default: the bundled one)")
+
+
+class TargetSettings(ModelSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECD_TARGET_")
+
+    port: int = Field(50062, ge=0, le=65535)
+    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a transformers directory")
+    max_batch_size: int = Field(8, ge=1, le=256, description="most sessions verified in one forward pass")
+
+
+class CoordinatorSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECD_COORDINATOR_")
+
+    port: int = Field(50063, ge=0, le=65535)
+    target_address: str = Field("127.0.0.1:50062", description="host:port of the target service")
+    draft_address: str = Field("127.0.0.1:50061", description="host:port of the draft service ('' = none)")
+    overlap: bool = Field(True, description="PEARL: draft the next window while the target verifies")
+    default_policy: str = Field("heuristic", description="stopping policy when a request names none")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of one request")
+    draft_stall_s: float = Field(10.0, gt=0, le=3600,
+                                 description="waiting this long on the draft alone falls back to the target")
+    redis_url: str | None = redis_field()
+
+
+class GatewaySettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECD_GATEWAY_")
+
+    port: int = Field(8000, ge=0, le=65535)
+    coordinator_address: str = Field("", description="host:port of a coordinator service ('' = in-process)")
+    target_address: str = Field("127.0.0.1:50062", description="target service, for the in-process coordinator")
+    draft_address: str = Field("127.0.0.1:50061", description="draft service, for the in-process coordinator")
+    overlap: bool = Field(True, description="PEARL overlap in the in-process coordinator")
+    default_policy: str = Field("heuristic", description="stopping policy when a request names none")
+    max_tokens_limit: int = Field(4096, ge=1, le=1 << 20, description="largest max_tokens a request may ask")
+    api_keys: str = Field("", description="comma-separated API keys ('' = open)")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    redis_url: str | None = redis_field()

@@ -1,0 +1,67 @@
+"""What the gateway (and the coordinator's gRPC servicer) call: one request in, a stream of
+events out. Two implementations exist: `Coordinator` (the draft -> verify loop over the
+draft and target gRPC services, with PEARL overlap) and `LocalBackend` (the in-process
+engine, for a single-process deployment and for tests of the layers above).
+
+A request carries either a completion `prompt`, chat `messages` or raw `prompt_ids`; the
+backend owns the tokenizer, so the gateway never loads a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specd.types import SamplingParams, SpecParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str | None = None  # a completion prompt, tokenized without the chat template
+    messages: tuple[dict, ...] | None = None  # chat messages ({"role", "content"}), chat template applied
+    prompt_ids: tuple[int, ...] | None = None  # already tokenized
+    sampling: SamplingParams = SamplingParams()
+    spec: SpecParams = SpecParams()  # policy "none" decodes with the target alone
+    overlap: bool | None = None  # PEARL overlap; None = the coordinator's setting
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Newly emitted tokens and the text they complete (held back while a UTF-8 character
+    or a possible stop string is still incomplete)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """Last event of every request."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    spec_stats: dict = field(default_factory=dict)  # GenerationStats.to_dict() + coordinator fields
+
+
+Event = TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str  # the target model's name, served as the OpenAI `model`
+    max_context: int
+    draft: str | None  # drafter name, None when there is none
+
+
+class Backend(Protocol):
+    def model_card(self) -> ModelCard: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Async iterator of events. Raises specd.errors.InvalidRequest before the first event
+        for bad parameters, Unavailable when the target cannot be reached. Closing the iterator
+        early (client disconnect) cancels the request and frees its KV caches."""
+
+    async def ready(self) -> bool:
+        """True when a request could be served now (the target is reachable)."""

@@ -1,0 +1,230 @@
+"""The coordinator: the Backend that serves requests over the draft and target services.
+
+It owns what is per deployment rather than per request: the two channels, the target's
+tokenizer (fetched from the target service, so it needs no model files), the pair check
+(a draft whose tokenizer differs from the target's is refused), the shared policy state
+(loaded before a request, saved after it) and the overlap setting. Each request runs a
+services.coordinator.loop.RequestLoop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from services.common.detok import TextStream
+from services.common.grpc_errors import from_rpc_error
+from services.common.server import channel, check_health
+from services.common.state import AsyncStateStore
+from services.coordinator.api import (
+    Event,
+    FinishEvent,
+    GenerateRequest,
+    ModelCard,
+    TokenEvent,
+)
+from services.coordinator.loop import LoopConfig, RequestLoop
+from services.proto.specd.common.v1 import common_pb2
+from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
+from services.proto.specd.target.v1 import target_pb2_grpc
+from specd.errors import InvalidRequest, ModelError, SpecdError, Unavailable
+from specd.models.loading import encode_prompt
+from specd.policies import NO_SPECULATION, policy_class
+from specd.state import StateKey
+from specd.types import SpecParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    target_address: str
+    draft_address: str | None  # None: target-only decoding
+    overlap: bool = True  # PEARL; a request may override it
+    request_timeout_s: float = 600.0
+    draft_stall_s: float = 10.0
+    info_timeout_s: float = 5.0
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig, state_store: AsyncStateStore):
+        self.cfg, self.state_store = cfg, state_store
+        self.target_channel = channel(cfg.target_address)
+        self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
+        self.draft_channel = channel(cfg.draft_address) if cfg.draft_address else None
+        self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
+        self.target_info: common_pb2.ModelInfo | None = None
+        self.tokenizer = None
+        self.drafter_name: str | None = None
+
+    # -- connecting -------------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Describe the target, fetch its tokenizer and check the draft fits (ModelError if not)."""
+        await self._ensure_target()
+        info = await self._draft_info()
+        if isinstance(info, ModelError):
+            raise info
+        if isinstance(info, SpecdError) and self.draft_stub is not None:
+            log.warning("draft service not available yet (%s); requests fall back to the target alone", info)
+
+    async def _ensure_target(self) -> None:
+        if self.target_info is not None:
+            return
+        timeout = self.cfg.info_timeout_s
+        try:
+            info = await self.target_stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+            files = await self.target_stub.GetTokenizer(common_pb2.InfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "target") from None
+        self.tokenizer = _load_tokenizer(dict(files.files))
+        self.target_info = info.model
+
+    async def _draft_info(self) -> draft_pb2.DraftInfo | SpecdError:
+        """The draft service's description, or why it cannot be used now."""
+        if self.draft_stub is None:
+            return Unavailable("no draft service configured")
+        try:
+            info = await self.draft_stub.Info(common_pb2.InfoRequest(), timeout=self.cfg.info_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            return from_rpc_error(e, "draft")
+        theirs, ours = info.model.tokenizer_fingerprint, self.target_info.tokenizer_fingerprint
+        if theirs and ours and theirs != ours:
+            return ModelError(f"draft {info.name} (tokenizer {theirs}) does not share the tokenizer of "
+                              f"target {self.target_info.name} ({ours}); refusing the pair")
+        self.drafter_name = info.name
+        return info
+
+    # -- Backend ----------------------------------------------------------------------------
+    def model_card(self) -> ModelCard:
+        name = self.target_info.name if self.target_info else "unknown"
+        return ModelCard(name, self.target_info.max_context if self.target_info else 0, self.drafter_name)
+
+    async def ready(self) -> bool:
+        return await check_health(self.cfg.target_address)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        return self._generate(request)
+
+    async def close(self) -> None:
+        await self.target_channel.close()
+        if self.draft_channel is not None:
+            await self.draft_channel.close()
+        await self.state_store.close()
+
+    # -- one request ------------------------------------------------------------------------
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        await self._ensure_target()
+        prompt = self._prompt_ids(request)
+        cfg = await self._loop_config(request, prompt)
+        draft_stub, fallback_reason = None, ""
+        if request.spec.policy != NO_SPECULATION:
+            draft = await self._draft_info()
+            if isinstance(draft, SpecdError):
+                fallback_reason = str(draft)
+            else:
+                _check_spec(request.spec, draft)
+                draft_stub = self.draft_stub
+                cfg = await self._with_draft(cfg, draft)
+        loop = RequestLoop(cfg, self.target_stub, draft_stub)
+        if fallback_reason:
+            loop.stats.fallback, loop.stats.fallback_reason = True, fallback_reason
+        stream = TextStream(self.tokenizer, request.sampling.stop)
+        try:
+            async for new in loop.run():
+                delta = stream.push(new)
+                if delta.token_ids or delta.text:
+                    yield TokenEvent(delta.token_ids, delta.text)
+                if stream.stopped:
+                    loop.finish_reason = "stop"
+                    break
+            tail = stream.finish()
+            if tail.text:
+                yield TokenEvent((), tail.text)
+        finally:
+            await loop.close()
+        await self._save_state(cfg, loop)
+        yield FinishEvent(loop.finish_reason or "length", len(prompt), len(stream.ids),
+                          {**loop.stats.to_dict(), "new_tokens": len(stream.ids)})
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        vocab, context = self.target_info.vocab_size, self.target_info.max_context
+        if request.prompt_ids is not None:
+            prompt = list(request.prompt_ids)
+        elif request.messages is not None:
+            prompt = encode_prompt(self.tokenizer, [dict(m) for m in request.messages], chat=True)
+        else:
+            prompt = encode_prompt(self.tokenizer, request.prompt or "", chat=False)
+        if not prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        if len(prompt) >= context:
+            raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is {context} "
+                                           "and at least one token must be generated")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab})")
+        return prompt
+
+    async def _loop_config(self, request: GenerateRequest, prompt: list[int]) -> LoopConfig:
+        info, spec, sampling = self.target_info, request.spec, request.sampling
+        sampling.validate(max_new_tokens_limit=info.max_context)
+        if spec.policy != NO_SPECULATION:
+            cls = policy_class(spec.policy)
+            overrides = dict(spec.policy_params)
+            if spec.max_draft_tokens is not None:
+                overrides["max_draft_tokens"] = spec.max_draft_tokens
+            cls.Params.from_overrides(overrides)  # names a bad parameter before any work starts
+        if spec.policy == "oracle":
+            raise InvalidRequest("policy", "the oracle policy needs the target's answer in advance; "
+                                           "it runs only in `specd bench`")
+        if spec.relaxed and spec.policy != "adasd":
+            raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
+        overlap = self.cfg.overlap if request.overlap is None else request.overlap
+        return LoopConfig(
+            prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
+            min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
+            info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None)
+
+    async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo) -> LoopConfig:
+        state = await self._load_state(self._state_key(cfg, draft.name))
+        send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
+        return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name)
+
+    def _state_key(self, cfg: LoopConfig, drafter: str) -> StateKey:
+        return StateKey(drafter, self.target_info.name, cfg.spec.policy, cfg.spec.task_tag)
+
+    async def _load_state(self, key: StateKey) -> dict:
+        try:
+            return await self.state_store.load(key)
+        except Unavailable as e:  # shared state is an optimisation: serve without it
+            log.warning("%s; starting from the policy's defaults", e)
+            return {}
+
+    async def _save_state(self, cfg: LoopConfig, loop: RequestLoop) -> None:
+        if loop.policy_state is None or cfg.drafter is None:
+            return
+        try:
+            await self.state_store.save(self._state_key(cfg, cfg.drafter), loop.policy_state)
+        except Unavailable as e:
+            log.warning("%s; adaptive policy state not saved", e)
+
+
+def _check_spec(spec: SpecParams, draft: draft_pb2.DraftInfo) -> None:
+    if spec.relaxed and not draft.has_distribution:
+        raise InvalidRequest("relaxed", f"relaxed verification needs a drafter with a distribution; "
+                                        f"{draft.name} has none")
+
+
+def _load_tokenizer(files: dict[str, bytes]):
+    from transformers import AutoTokenizer
+
+    if not files:
+        raise ModelError("the target service sent no tokenizer files")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            (Path(tmp) / Path(name).name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)

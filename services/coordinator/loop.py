@@ -1,0 +1,318 @@
+"""One request's draft -> verify loop over the draft and target services, with PEARL
+overlap (Liu et al. 2024, arXiv 2408.11850; DESIGN.md §3.4).
+
+The draft service streams draft tokens and window ends; the target service verifies
+*chunks*. Whenever the target is idle the loop sends it the next chunk: the drafts that
+follow the committed sequence, up to the end of the window they belong to.
+
+- Sequential (overlap off): a chunk is a whole window, sent once the policy has ended it;
+  the draft waits for the verdict before drafting on (lookahead 1). This is the classic
+  loop of specd.engine, split across two processes.
+- PEARL (overlap on): the draft drafts the next window while the target verifies the
+  current one (post-verify, lookahead 2), and a window still being drafted is sent as far
+  as it goes when the target would otherwise idle; its first token is verified while
+  tokens 2.. are drafted (pre-verify).
+
+Every verification emits the accepted drafts and one recovered or bonus token. A draft
+token drafted past the end of a verified chunk survives only if it equals the token the
+target emitted there (for the bonus position: the target's own sample from p, so the
+output distribution stays exactly the target's). The draft service applies the same rule
+and acknowledges each commit with its epoch, which tells the loop which buffered tokens
+are stale. Both modes therefore emit exactly what the target alone would (greedy), or the
+target's distribution (sampling).
+
+If the draft service fails, the request goes on with the target alone (chunks of zero
+drafts) and the statistics say `fallback`. If the target fails, the request fails with
+Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.convert import sampling_to_proto
+from services.common.grpc_errors import from_rpc_error
+from services.proto.specd.draft.v1 import draft_pb2
+from services.proto.specd.target.v1 import target_pb2
+from specd.errors import Unavailable
+from specd.stats import GenerationStats
+from specd.types import SamplingParams, SpecParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopStats(GenerationStats):
+    fallback: bool = False
+    fallback_reason: str = ""
+    overlap: bool = False
+    draft_wait_s: float = 0.0  # the loop idle, waiting on the draft alone
+    verify_wait_s: float = 0.0  # a verification in flight
+    drafted_total: int = 0  # every token the draft service drafted, verified or not
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
+                "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
+                "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total}
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    prompt: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    overlap: bool
+    max_length: int  # prompt + max_new_tokens, within the context
+    eos: frozenset[int]
+    vocab_size: int
+    send_distributions: bool  # sampling (or relaxed) with a drafter that has q
+    policy_state: dict
+    timeout_s: float  # deadline of the whole request on both services
+    draft_stall_s: float  # waiting this long on the draft alone means it is stuck: fall back
+    drafter: str | None
+
+
+class RequestLoop:
+    def __init__(self, cfg: LoopConfig, target_stub, draft_stub):
+        self.cfg = cfg
+        self.target_stub, self.draft_stub = target_stub, draft_stub
+        self.seq = list(cfg.prompt)
+        self.stats = LoopStats(cfg.spec.policy, cfg.drafter, prompt_tokens=len(cfg.prompt),
+                               lossy=cfg.spec.relaxed, overlap=cfg.overlap)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.drafts: dict[int, draft_pb2.DraftToken] = {}  # position -> token, ahead of self.seq
+        self.window_ends: list[draft_pb2.WindowEnd] = []
+        self.epoch = 0  # the draft's epoch as of its last acknowledgement
+        self.unacked = 0
+        self.threshold: float | None = None
+        self.draft_call = self.target_call = None
+        self.tasks: list[asyncio.Task] = []
+        self.policy_state: dict | None = None  # returned by the draft service on close
+        self.finish_reason: str | None = None
+        self.verify_id = self.commit_id = 0
+
+    # -- public -----------------------------------------------------------------------------
+    async def run(self) -> AsyncIterator[list[int]]:
+        """Yields each verification's newly emitted tokens; close() must follow."""
+        started = time.perf_counter()
+        await self._open()
+        chunk: list[draft_pb2.DraftToken] | None = None
+        while self.finish_reason is None:
+            if chunk is None:
+                chunk = self._next_chunk()
+                if chunk is not None:
+                    await self._send_verify(chunk)
+            t0 = time.perf_counter()
+            source, msg = await self._next_event(waiting_on_target=chunk is not None)
+            waited = time.perf_counter() - t0
+            if chunk is not None:
+                self.stats.verify_wait_s += waited
+            else:
+                self.stats.draft_wait_s += waited
+            if source == "target":
+                new = await self._on_verified(msg, chunk)
+                chunk = None
+                if new:
+                    yield new
+            else:
+                self._on_draft(source, msg)
+        self.stats.wall_time_s = time.perf_counter() - started
+
+    async def _next_event(self, waiting_on_target: bool) -> tuple[str, object]:
+        if waiting_on_target:
+            try:
+                return await asyncio.wait_for(self.events.get(), self.cfg.timeout_s)
+            except TimeoutError:
+                raise Unavailable(f"target service: no verdict within {self.cfg.timeout_s} s") from None
+        try:
+            return await asyncio.wait_for(self.events.get(), self.cfg.draft_stall_s)
+        except TimeoutError:
+            return "draft_error", Unavailable(
+                f"draft service: nothing drafted within {self.cfg.draft_stall_s} s (at position "
+                f"{len(self.seq)}, {len(self.drafts)} drafts held, {self.unacked} commits unacknowledged)")
+
+    async def close(self) -> None:
+        """End both sessions; on a normal finish collect the draft's policy state."""
+        self.stats.new_tokens = len(self.seq) - len(self.cfg.prompt)
+        self.stats.finish_reason = self.finish_reason or "cancelled"
+        if self.finish_reason is not None and self.draft_call is not None and not self.stats.fallback:
+            await self._close_draft()
+        for call in (self.draft_call, self.target_call):
+            if call is not None:
+                call.cancel()
+        for task in self.tasks:
+            task.cancel()
+
+    # -- streams ----------------------------------------------------------------------------
+    async def _open(self) -> None:
+        cfg = self.cfg
+        self.target_call = self.target_stub.Session(timeout=cfg.timeout_s)
+        await self._write_target(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
+            prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling))))
+        self.tasks.append(asyncio.create_task(self._pump("target", self.target_call)))
+        if self.draft_stub is None:
+            return
+        spec = cfg.spec
+        open_msg = draft_pb2.OpenDraft(
+            prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), policy=spec.policy,
+            policy_params=spec.policy_params, policy_state=cfg.policy_state, max_length=cfg.max_length,
+            lookahead=2 if cfg.overlap else 1, send_distributions=cfg.send_distributions,
+            vocab_size=cfg.vocab_size)
+        if spec.max_draft_tokens is not None:
+            open_msg.max_draft_tokens = spec.max_draft_tokens
+        self.draft_call = self.draft_stub.Session(timeout=cfg.timeout_s)
+        self.tasks.append(asyncio.create_task(self._pump("draft", self.draft_call)))
+        await self._write_draft(draft_pb2.DraftRequest(open=open_msg))
+
+    async def _pump(self, source: str, call) -> None:
+        """Forward every message of a stream to the event queue; an error becomes an event."""
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                self.events.put_nowait((source, msg))
+            self.events.put_nowait((f"{source}_error", Unavailable(f"{source} service ended the session")))
+        except grpc.aio.AioRpcError as e:
+            self.events.put_nowait((f"{source}_error", from_rpc_error(e, source)))
+        except asyncio.CancelledError:
+            pass
+
+    async def _write_target(self, msg) -> None:
+        try:
+            await self.target_call.write(msg)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise Unavailable(f"target service: {e}") from None
+
+    async def _write_draft(self, msg) -> None:
+        if self.stats.fallback:
+            return
+        try:
+            await self.draft_call.write(msg)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._fall_back(f"draft service: {e}")
+
+    async def _close_draft(self) -> None:
+        try:
+            await self.draft_call.write(draft_pb2.DraftRequest(close=draft_pb2.CloseDraft()))
+            await self.draft_call.done_writing()
+            while True:
+                source, msg = await asyncio.wait_for(self.events.get(), 5.0)
+                if source == "draft" and msg.WhichOneof("kind") == "closed":
+                    self.policy_state = dict(msg.closed.policy_state)
+                    self.stats.drafted_total = msg.closed.num_drafted
+                    return
+                if source != "draft":
+                    return
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            log.warning("draft session did not close cleanly: %s", e)
+
+    # -- draft messages -----------------------------------------------------------------------
+    def _on_draft(self, source: str, msg) -> None:
+        if source == "target_error":
+            raise msg
+        if source == "draft_error":
+            self._fall_back(str(msg))
+            return
+        kind = msg.WhichOneof("kind")
+        if kind == "token" and msg.token.epoch >= self.epoch and msg.token.position >= len(self.seq):
+            self.drafts[msg.token.position] = msg.token
+        elif kind == "window_end" and msg.window_end.epoch >= self.epoch:
+            self.window_ends.append(msg.window_end)
+            if msg.window_end.HasField("relaxed_threshold"):
+                self.threshold = msg.window_end.relaxed_threshold
+        elif kind == "ack":
+            self.unacked -= 1
+            if msg.ack.epoch > self.epoch:  # the draft rolled back: what we hold is stale
+                self.epoch = msg.ack.epoch
+                self.drafts = {p: t for p, t in self.drafts.items() if t.epoch >= self.epoch}
+                self.window_ends = [w for w in self.window_ends if w.epoch >= self.epoch]
+
+    def _fall_back(self, reason: str) -> None:
+        if not self.stats.fallback:
+            log.warning("falling back to target-only decoding: %s", reason)
+        self.stats.fallback, self.stats.fallback_reason = True, reason
+        self.drafts.clear()
+        self.window_ends.clear()
+        if self.draft_call is not None:
+            self.draft_call.cancel()
+
+    # -- verification -------------------------------------------------------------------------
+    def _next_chunk(self) -> list[draft_pb2.DraftToken] | None:
+        """The drafts to verify now ([] = a plain decoding step), or None to wait for the draft."""
+        if self.draft_stub is None or self.stats.fallback:
+            return []
+        if self.unacked:
+            return None
+        c = len(self.seq)
+        limit = self.cfg.max_length - 1 - c  # the target emits one token after the chunk
+        if limit <= 0:
+            return []  # the last token: nothing may be drafted, the draft waits
+        end = next((w.end for w in self.window_ends if w.start <= c < w.end or w.start == w.end == c), None)
+        if end is None and not self.cfg.overlap:
+            return None  # sequential: verify whole windows only
+        chunk = []
+        while c + len(chunk) in self.drafts and len(chunk) < limit and (end is None or c + len(chunk) < end):
+            chunk.append(self.drafts[c + len(chunk)])
+        if chunk or end is not None:
+            return chunk
+        return None
+
+    async def _send_verify(self, chunk: list[draft_pb2.DraftToken]) -> None:
+        self.verify_id += 1
+        msg = target_pb2.Verify(verify_id=self.verify_id, tokens=[t.token for t in chunk],
+                                probs=[t.prob for t in chunk], relaxed=self.cfg.spec.relaxed)
+        if self.cfg.send_distributions and chunk:
+            msg.distributions.extend(t.q for t in chunk)
+        if self.threshold is not None and self.cfg.spec.relaxed:
+            msg.relaxed_threshold = self.threshold
+        await self._write_target(target_pb2.TargetRequest(verify=msg))
+
+    async def _on_verified(self, msg, chunk: list[draft_pb2.DraftToken]) -> list[int]:
+        if msg.WhichOneof("kind") != "verified":
+            raise Unavailable("target service ended the session")
+        v = msg.verified
+        n, k = v.num_accepted, len(chunk)
+        tokens = [t.token for t in chunk[:n]] + [v.next_token]
+        self._record(k, n, v)
+        start = len(self.seq)
+        emitted = self._commit(tokens)
+        for pos in range(start, start + len(tokens)):
+            self.drafts.pop(pos, None)
+        self.window_ends = [w for w in self.window_ends if w.end > len(self.seq) or w.start == w.end == len(self.seq)]
+        if self.finish_reason is None and self.draft_stub is not None and not self.stats.fallback:
+            self.commit_id += 1
+            self.unacked += 1
+            await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
+                commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
+                js_distances=v.js_distances)))
+        return emitted
+
+    def _record(self, k: int, n: int, v: target_pb2.Verified) -> None:
+        s = self.stats
+        s.verifications += 1
+        s.batch_sizes.append(v.batch_size)
+        if k:
+            s.drafted += k
+            s.accepted += n
+            s.relaxed_accepted += n - min(n, v.num_strict)
+            s.draft_lengths.append(k)
+            s.accepted_lengths.append(n)
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        """Append verified tokens, honouring EOS and the length limit exactly (as the engine)."""
+        out = []
+        for tok in tokens:
+            self.seq.append(tok)
+            out.append(tok)
+            if tok in self.cfg.eos:
+                self.finish_reason = "stop"
+                break
+            if len(self.seq) >= self.cfg.max_length:
+                self.finish_reason = "length"
+                break
+        return out

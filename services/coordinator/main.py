@@ -1,0 +1,41 @@
+"""`specd serve coordinator`: the coordinator as its own gRPC service (specd.coordinator.v1)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.settings import CoordinatorSettings
+from services.common.state import build_state_store
+from services.coordinator.coordinator import Coordinator, CoordinatorConfig
+from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from services.proto.specd.coordinator.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def build_coordinator(s: CoordinatorSettings) -> Coordinator:
+    cfg = CoordinatorConfig(s.target_address, s.draft_address or None, s.overlap, s.request_timeout_s,
+                            s.draft_stall_s)
+    return Coordinator(cfg, build_state_store(s.redis_url))
+
+
+async def start(s: CoordinatorSettings, coordinator: Coordinator) -> tuple[grpc.aio.Server, int]:
+    await coordinator.connect()
+    server, health = make_server([SERVICE_NAME])
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
+        CoordinatorServicer(coordinator, s.default_policy), server)
+    port = server.add_insecure_port(f"{s.host}:{s.port}")
+    await server.start()
+    await mark_serving(health, [SERVICE_NAME])
+    log.info("coordinator listening on %s:%d (target %s, draft %s)", s.host, port, s.target_address,
+             s.draft_address or "none")
+    return server, port
+
+
+async def serve(s: CoordinatorSettings) -> None:
+    server, port = await start(s, build_coordinator(s))
+    print(f"specd coordinator listening on {s.host}:{port}", flush=True)
+    await run_until_signal(server)

@@ -1,0 +1,51 @@
+"""`specd serve draft`: the draft service process."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.settings import DraftSettings
+from services.draft.servicer import SERVICE_NAME, DraftServicer
+from services.proto.specd.draft.v1 import draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def build_servicer(s: DraftSettings) -> DraftServicer:
+    import torch
+
+    from specd.drafters import build_drafter
+    from specd.models import load_model
+    from specd.policies import AcceptanceHead, bundled_head_path
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    model = draft_model = None
+    if s.drafter == "early-exit":
+        model = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
+    elif s.drafter == "hf":
+        model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir)
+    drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter)
+    head_path = s.specdecpp_head or bundled_head_path(drafter.name)
+    head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None
+    return DraftServicer(drafter, model, head)
+
+
+async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the port it listens on."""
+    server, health = make_server([SERVICE_NAME])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{s.host}:{s.port}")
+    await server.start()
+    await mark_serving(health, [SERVICE_NAME])
+    log.info("draft service (%s) listening on %s:%d", servicer.drafter.name, s.host, port)
+    return server, port
+
+
+async def serve(s: DraftSettings) -> None:
+    server, port = await start(s, build_servicer(s))
+    print(f"specd draft listening on {s.host}:{port}", flush=True)
+    await run_until_signal(server)

@@ -1,0 +1,213 @@
+"""One drafting session: windows of draft tokens proposed ahead of the committed sequence.
+
+The runner drafts token after token on its own guesses, asks the stopping policy after
+each one (DESIGN.md §3.2) and publishes every token the moment it exists. A window ends
+when the policy says stop (or at the cap, the length limit, or when the drafter has no
+proposal). With `lookahead` 1 it then waits for the window's verification (sequential
+speculative decoding); with 2 it goes on drafting the next window on top of the current one
+while the target verifies (PEARL post-verify, Liu et al. 2024).
+
+A commit says what verification appended to the committed sequence. Drafts that agree with
+it stay; at the first disagreement the runner rolls back, bumps its *epoch* (so that the
+coordinator can tell stale tokens from fresh ones) and drafts from the new sequence. Each
+window, once verification has judged it, is fed back to the policy (`observe`).
+
+The model runs in a worker thread; everything else runs on the event loop, so a commit is
+applied (and acknowledged) even while a forward pass is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.drafters.base import DraftSession, DraftToken
+from specd.policies import Decision, StoppingPolicy
+from specd.types import DraftStep, RoundOutcome, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    epoch: int
+    position: int  # index in the whole sequence
+    token: int
+    prob: float
+    entropy: float
+    q: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowEnd:
+    epoch: int
+    start: int
+    end: int
+    reason: str  # policy | cap | no_proposal | length
+    relaxed_threshold: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    commit_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    commit_id: int
+    tokens: tuple[int, ...]  # accepted drafts, then the recovered or bonus token
+    num_verified: int  # draft tokens the verification judged
+    num_strict: int  # leading ones accepted by the lossless rule
+    js_distances: tuple[float, ...] = ()
+
+
+@dataclass
+class _Window:
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    ended: bool = False
+    hit_cap: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class DraftRunner:
+    def __init__(self, session: DraftSession, policy: StoppingPolicy, sampling: SamplingParams,
+                 prompt: list[int], max_length: int, lookahead: int, send_q: bool,
+                 executor: Executor, publish: Callable[[object], None]):
+        self.session, self.policy, self.sampling = session, policy, sampling
+        self.seq = list(prompt)  # committed tokens, then this runner's own drafts
+        self.prompt_len = len(prompt)
+        self.committed = len(prompt)
+        self.max_length, self.lookahead, self.send_q = max_length, lookahead, send_q
+        self.executor, self.publish = executor, publish
+        self.epoch = 0
+        self.windows: list[_Window] = []  # not yet judged, in sequence order
+        self.strict: dict[int, bool] = {}  # position -> accepted by the lossless rule
+        self.js: dict[int, float] = {}
+        self.rollback_to: int | None = None  # KV rollback to apply before the next forward
+        self.wake = asyncio.Event()
+        self.num_drafted = 0
+        self.draft_seconds = 0.0
+        self.generator = None
+        if not sampling.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling.seed if sampling.seed is not None
+                                       else int(torch.randint(0, 2**62, (1,))))
+
+    # -- drafting (a task) ------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            window = self._window_to_extend()
+            if window is None:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            if self.rollback_to is not None:
+                self.session.rollback(self.rollback_to)
+                self.rollback_to = None
+            epoch, seq = self.epoch, list(self.seq)
+            t0 = time.perf_counter()
+            d = await loop.run_in_executor(self.executor, self._next, seq)
+            self.draft_seconds += time.perf_counter() - t0
+            if epoch != self.epoch or len(self.seq) != len(seq):
+                continue  # a commit changed the sequence meanwhile: this proposal is moot
+            self._add(window, d)
+
+    def _next(self, seq: list[int]) -> DraftToken | None:
+        return self.session.next(seq, self.sampling, self.generator, self.policy.needs_hidden)
+
+    def _window_to_extend(self) -> _Window | None:
+        """The open window, or a new one when fewer than `lookahead` ended windows await
+        verification; None when drafting must wait for a commit."""
+        if self.windows and not self.windows[-1].ended:
+            return self.windows[-1]
+        if len(self.windows) >= self.lookahead or len(self.seq) > self.max_length - 2:
+            return None
+        if self.windows and not self.windows[-1].tokens:
+            return None  # an empty window: nothing new to draft from until a commit
+        self.policy.begin_round()
+        window = _Window(len(self.seq))
+        self.windows.append(window)
+        return window
+
+    def _add(self, window: _Window, d: DraftToken | None) -> None:
+        if d is None:
+            return self._end(window, "no_proposal")
+        step = DraftStep(len(window.tokens) + 1, len(self.seq) - self.prompt_len, d.token, d.prob,
+                         d.max_prob, d.entropy, d.hidden)
+        decision = self.policy.decide(step)
+        if decision is Decision.DROP:
+            return self._end(window, "policy")
+        self.seq.append(d.token)
+        window.tokens.append(d.token)
+        window.entropies.append(d.entropy)
+        self.num_drafted += 1
+        self.publish(Token(self.epoch, len(self.seq) - 1, d.token, d.prob, d.entropy,
+                           d.q if self.send_q else None))
+        if decision is Decision.STOP:
+            self._end(window, "policy")
+        elif len(window.tokens) >= self.policy.params.max_draft_tokens:
+            window.hit_cap = True
+            self._end(window, "cap")
+        elif len(self.seq) > self.max_length - 2:  # a draft here could never be followed by the target's
+            self._end(window, "length")
+
+    def _end(self, window: _Window, reason: str) -> None:
+        window.ended = True
+        self.publish(WindowEnd(self.epoch, window.start, window.end, reason, self.policy.relaxed_threshold()))
+
+    # -- commits (on the event loop) --------------------------------------------------------
+    def commit(self, c: Commit) -> None:
+        s, n = self.committed, len(c.tokens) - 1
+        for i in range(n):
+            self.strict[s + i] = i < c.num_strict
+        for i, d in enumerate(c.js_distances):
+            self.js[s + i] = d
+        nxt = s + n  # position of the recovered or bonus token
+        has_draft = nxt < len(self.seq)
+        if n < c.num_verified:
+            self.strict[nxt] = False  # rejected by verification
+        elif has_draft:
+            self.strict[nxt] = self.seq[nxt] == c.tokens[-1]  # a bonus our next draft predicted
+        if n < c.num_verified or (has_draft and self.seq[nxt] != c.tokens[-1]):
+            del self.seq[nxt:]
+            self.rollback_to = nxt
+            self.epoch += 1
+        if len(self.seq) <= nxt:
+            self.seq.append(c.tokens[-1])
+        self.committed = nxt + 1
+        self.publish(Ack(c.commit_id, self.epoch))
+        self._judge_windows()
+        self.wake.set()
+
+    def _judge_windows(self) -> None:
+        """Feed each judged window back to the policy; forget windows past a rollback."""
+        keep = []
+        for w in self.windows:
+            if w.start >= len(self.seq) or (w.ended and not w.tokens):
+                continue  # drafted on a discarded guess, or an empty window the commit made moot
+            judged = [self.strict.get(w.start + i) for i in range(len(w.tokens))]
+            if False in judged or (w.ended and None not in judged):
+                self._observe(w, judged)
+            else:
+                keep.append(w)
+        self.windows = keep
+        oldest = keep[0].start if keep else self.committed
+        for pos in [p for p in self.strict if p < oldest]:
+            del self.strict[pos]
+            self.js.pop(pos, None)
+
+    def _observe(self, w: _Window, judged: list[bool | None]) -> None:
+        n = next((i for i, ok in enumerate(judged) if not ok), len(judged))
+        js = tuple(self.js[w.start + i] for i in range(len(w.tokens)) if w.start + i in self.js)
+        w.ended = True
+        self.policy.observe(RoundOutcome(len(w.tokens), n, tuple(w.entropies), w.hit_cap, js))

@@ -1,0 +1,98 @@
+"""The draft service's gRPC servicer: Info and the per-request drafting Session stream.
+It only translates; the drafting itself is services.draft.runner.DraftRunner."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.common.convert import model_info
+from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
+from services.draft.runner import DraftRunner
+from services.proto.specd.common.v1 import common_pb2
+from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
+from specd.drafters.base import Drafter
+from specd.errors import InvalidRequest
+from specd.models.loading import LoadedModel
+from specd.policies import POLICIES, PolicyResources, build_policy
+
+_CLOSE = object()
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None):
+        self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one compute thread
+        self.active_sessions = 0
+
+    async def Info(self, request, context) -> draft_pb2.DraftInfo:
+        info = model_info(self.model) if self.model is not None else common_pb2.ModelInfo(name="-")
+        policies = [p for p in POLICIES if p != "oracle"]
+        return draft_pb2.DraftInfo(model=info, kind=self.drafter.kind, name=self.drafter.name,
+                                   has_distribution=self.drafter.has_distribution, policies=policies)
+
+    async def Session(self, requests, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("kind") != "open":
+            raise InvalidRequest("open", "a draft session starts with an Open message")
+        out: asyncio.Queue = asyncio.Queue()
+        runner = self._runner(first.open, out.put_nowait)
+        self.active_sessions += 1
+        drafting = asyncio.create_task(runner.run())
+        reading = asyncio.create_task(_read(requests, runner, out))
+        drafting.add_done_callback(lambda task: _forward_failure(task, out))
+        try:
+            while (event := await out.get()) is not _CLOSE:
+                if isinstance(event, BaseException):
+                    raise event
+                yield event_to_proto(event)
+            yield draft_pb2.DraftResponse(closed=draft_pb2.DraftClosed(
+                policy_state=runner.policy.state(), num_drafted=runner.num_drafted,
+                draft_seconds=runner.draft_seconds))
+        finally:
+            reading.cancel()
+            drafting.cancel()
+            # Queued behind any forward still running, so the cache is not freed under it.
+            await asyncio.get_running_loop().run_in_executor(self.executor, runner.session.close)
+            self.active_sessions -= 1
+
+    def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:
+        prompt, sampling, spec, state = open_from_proto(msg)
+        sampling.validate()
+        if not prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        if spec.policy == "oracle":
+            raise InvalidRequest("policy", "the oracle policy needs the target's answer in advance; "
+                                           "it runs only in `specd bench`")
+        if msg.lookahead not in (1, 2):
+            raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
+        overrides = dict(spec.policy_params)
+        if spec.max_draft_tokens is not None:
+            overrides["max_draft_tokens"] = spec.max_draft_tokens
+        policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head))
+        send_q = msg.send_distributions and self.drafter.has_distribution
+        return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
+                           msg.lookahead, send_q, self.executor, publish)
+
+
+async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:
+    """Apply commits as they arrive; Close (or the client half-closing) ends the session."""
+    async for msg in requests:
+        kind = msg.WhichOneof("kind")
+        if kind == "commit":
+            runner.commit(commit_from_proto(msg.commit))
+        elif kind == "close":
+            break
+        else:
+            out.put_nowait(InvalidRequest(kind or "kind", "expected commit or close after open"))
+            return
+    out.put_nowait(_CLOSE)
+
+
+def _forward_failure(task: asyncio.Task, out: asyncio.Queue) -> None:
+    """A drafting error ends the stream with that error (the interceptor maps it)."""
+    if not task.cancelled() and task.exception() is not None:
+        out.put_nowait(task.exception())

@@ -1,0 +1,220 @@
+"""The OpenAI-compatible REST gateway (DESIGN.md §4): FastAPI routes over a Backend.
+
+Routes only translate: JSON -> GenerateRequest (convert) -> backend.generate -> JSON or
+Server-Sent Events. Errors are raised, never handled here; `errors.install` maps them.
+
+Two rules keep streams honest:
+- the first backend event is awaited before any response starts, so a bad parameter (which
+  the backend reports before its first event) is a 400, not a broken stream;
+- the backend iterator is always closed when the response ends: on [DONE] or the full answer,
+  on a client disconnect (http.disconnect from the ASGI server: Starlette cancels a stream;
+  `_collect` watches for it itself), or on cancellation, so that the backend frees the
+  request's KV caches at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from services.coordinator.api import Backend, Event, FinishEvent
+from services.gateway import convert, errors
+from services.gateway.metrics import GatewayMetrics, RequestCounter
+from services.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+from specd import __version__
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """Everything the routes need, fixed at start-up."""
+
+    backend: Backend
+    max_tokens_limit: int
+    default_policy: str
+    api_keys: frozenset[str]
+    metrics: GatewayMetrics
+    started: int  # unix time, the models' `created`
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def _require_key(gw: GatewayDep,
+                       creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    if gw.api_keys and (creds is None or creds.credentials not in gw.api_keys):
+        raise errors.Unauthorized("missing or unknown API key; send 'Authorization: Bearer <key>'")
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 500, 503)}
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_key)], responses=_ERRORS)
+ops = APIRouter()
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+@v1.post("/chat/completions", response_model=ChatCompletion,
+         description="OpenAI chat completions; `stream: true` answers with Server-Sent Events.")
+async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep):
+    return await _complete(gw, body, request, chat=True)
+
+
+@v1.post("/completions", response_model=Completion,
+         description="OpenAI (legacy) completions; `stream: true` answers with Server-Sent Events.")
+async def completions(body: CompletionRequest, request: Request, gw: GatewayDep):
+    return await _complete(gw, body, request, chat=False)
+
+
+@v1.get("/models")
+async def models(gw: GatewayDep) -> ModelList:
+    return convert.model_list(gw.backend.model_card(), gw.started)
+
+
+@ops.get("/health")
+async def health(gw: GatewayDep) -> JSONResponse:
+    ok = await gw.backend.ready()
+    return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+
+@ops.get("/metrics")
+async def prometheus_metrics(gw: GatewayDep) -> Response:
+    body, content_type = gw.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+# -- one generation ---------------------------------------------------------------------------
+
+async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: bool):
+    gen = convert.generate_request(body, default_policy=gw.default_policy,
+                                   max_tokens_limit=gw.max_tokens_limit)
+    events = gw.backend.generate(gen)
+    try:
+        first = await anext(events)  # a bad request raises here, before any byte is sent
+    except BaseException:
+        await _aclose(events)
+        raise
+    env = convert.Envelope.new(chat, gw.backend.model_card().id)
+    if body.stream:
+        to_chunks = convert.chat_chunks if chat else convert.completion_chunks
+        head = convert.chat_head(env) if chat else []
+        return EventStream(_sse(request, events, first, head,
+                                lambda event: to_chunks(env, event, body.include_usage)))
+    try:
+        text, finish = await _collect(request, first, events)
+    finally:
+        await _aclose(events)
+    return convert.chat_completion(env, text, finish) if chat else convert.completion(env, text, finish)
+
+
+async def _collect(request: Request, first: Event, events: AsyncIterator[Event]) -> tuple[str, FinishEvent]:
+    """The whole answer, or ClientDisconnect as soon as the client leaves: nobody would read
+    it, and closing the backend iterator frees the session now rather than at the end."""
+    with anyio.CancelScope() as scope:
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, scope))
+        try:
+            parts, event = [], first
+            while not isinstance(event, FinishEvent):
+                parts.append(event.text)
+                event = await anext(events)
+            return "".join(parts), event
+        finally:
+            watcher.cancel()
+    raise ClientDisconnect()  # reached only when the watcher cancelled the scope
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _sse(request: Request, events: AsyncIterator[Event], first: Event, head: list[BaseModel],
+               chunks: Callable[[Event], list[BaseModel]]) -> AsyncIterator[str]:
+    """`data: {json}` per chunk, then `data: [DONE]`; an error after the stream started can
+    only be reported in-stream, as OpenAI does: `data: {"error": ...}`."""
+    try:
+        for chunk in head:
+            yield _data(chunk.model_dump_json())
+        event = first
+        while True:
+            for chunk in chunks(event):
+                yield _data(chunk.model_dump_json())
+            if isinstance(event, FinishEvent):
+                break
+            event = await anext(events)
+        yield _data("[DONE]")
+    except Exception as exc:  # noqa: BLE001 - any error, once streaming, can only go in-stream
+        _, body = errors.describe(exc, request)
+        yield _data(json.dumps(body))
+    finally:
+        await _aclose(events)
+
+
+def _data(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _aclose(events: AsyncIterator[Event]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class EventStream(StreamingResponse):
+    """A Server-Sent Events response that closes its body iterator (and so the backend's)
+    whenever the response ends, however it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "heuristic",
+               api_keys: frozenset[str] = frozenset()) -> FastAPI:
+    """The gateway over `backend`. With api_keys, /v1 routes need `Authorization: Bearer <key>`;
+    /health and /metrics stay open for probes and Prometheus."""
+    app = FastAPI(title="specd gateway", version=__version__,
+                  description="OpenAI-compatible API over speculative decoding. Per-request speculation "
+                              "settings go in the `speculative` body field; each response carries "
+                              "`spec_stats` beside `usage` (in the final chunk when streaming).")
+    metrics = GatewayMetrics()
+    app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, frozenset(api_keys), metrics,
+                                int(time.time()))
+    app.include_router(v1)
+    app.include_router(ops)
+    errors.install(app)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    return app

@@ -1,0 +1,259 @@
+"""The REST wire format: pydantic models mirroring OpenAI's chat and completions API, plus
+the `speculative` request extension and the `spec_stats` response field (DESIGN.md §4).
+
+Unknown request fields are accepted and ignored, as OpenAI clients send many; the ones that
+would change the answer and that this server does not implement (n > 1, logprobs, echo,
+best_of, penalties, tools, ...) are listed explicitly and refused with a 400 naming them when
+set to anything but their default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def _only(*allowed: Any) -> AfterValidator:
+    """A field this server accepts only at its default (unset, or one of `allowed`)."""
+
+    default = next((a for a in allowed if a is not None), None)
+    hint = "leave it unset" if default is None else f"leave it unset or {default!r}"
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise ValueError(f"is not supported by this server; {hint}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _one(n: int | None) -> int | None:
+    if n not in (None, 1):
+        raise ValueError(f"only n=1 is supported, got {n}")
+    return n
+
+
+class SpeculativeOptions(BaseModel):
+    """Per-request speculation settings (the `speculative` extra body field). Unknown keys
+    are refused: a misspelt setting must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="false decodes with the target alone (policy 'none')")
+    policy: str | None = Field(None, description="stopping policy; default: the gateway's")
+    max_draft_tokens: int | None = Field(None, description="hard cap on tokens drafted per round")
+    params: dict[str, float] = Field(default_factory=dict, description="policy hyperparameters by name")
+    task_tag: str = Field("default", description="key of the shared adaptive policy state")
+    relaxed: bool = Field(False, description="AdaSD's lossy relaxed verification (adasd only)")
+    overlap: bool | None = Field(None, description="PEARL overlap; default: the coordinator's setting")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Knobs(BaseModel):
+    """What chat and completions requests share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="ignored: the gateway serves one target model")
+    max_tokens: int | None = Field(None, description="tokens to generate (default 256)")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="extension: 0 = off")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int | None, AfterValidator(_one)] = None
+    presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
+    frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
+    logit_bias: Annotated[dict | None, _only(None, {})] = None
+    speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        # Checked before the union so that errors read as one clear message, not two.
+        if isinstance(value, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in value):
+                raise ValueError('content parts must be {"type": "text", "text": "..."}; '
+                                 "only text is supported")
+        elif not isinstance(value, str):
+            # pydantic turns ValueError, not TypeError, into a validation error
+            raise ValueError("must be a string or a list of text parts")  # noqa: TRY004
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _not_empty(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        text = value if isinstance(value, str) else "".join(p.text for p in value)
+        if not text.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Knobs):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
+    logprobs: Annotated[bool | None, _only(None, False)] = None
+    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    tools: Annotated[list | None, _only(None, [])] = None
+    tool_choice: Annotated[Any, _only(None, "none")] = None
+    functions: Annotated[list | None, _only(None, [])] = None
+    function_call: Annotated[Any, _only(None, "none")] = None
+    response_format: Annotated[dict | None, _only(None, {"type": "text"})] = None
+
+
+class CompletionRequest(_Knobs):
+    prompt: str | list[str]
+    echo: Annotated[bool | None, _only(None, False)] = None
+    logprobs: Annotated[int | None, _only(None)] = None
+    best_of: Annotated[int | None, _only(None, 1)] = None
+    suffix: Annotated[str | None, _only(None)] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+def _absent_if_none(value: Any) -> bool:
+    return value is None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_stats: dict = Field(description="speculation statistics of this request")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
+    content: str | None = Field(None, exclude_if=_absent_if_none)
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event; spec_stats comes with the chunk that carries the finish_reason, usage
+    with a last chunk of empty choices when stream_options.include_usage is set."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=_absent_if_none)
+    spec_stats: dict | None = Field(None, exclude_if=_absent_if_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A completion, and also each SSE chunk of a streamed one (as OpenAI does): chunks
+    have no usage, except the last one when stream_options.include_usage is set."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_absent_if_none)
+    spec_stats: dict | None = Field(None, exclude_if=_absent_if_none)
+
+
+class ModelInfo(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specd"
+    max_model_len: int
+    draft: str | None = Field(description="the drafter serving this model, if any")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

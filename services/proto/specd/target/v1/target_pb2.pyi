@@ -1,0 +1,102 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+from typing import Optional as _Optional
+from typing import Union as _Union
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+from services.proto.specd.common.v1 import common_pb2 as _common_pb2
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetInfo(_message.Message):
+    __slots__ = ("model", "max_batch_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    max_batch_size: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class TargetRequest(_message.Message):
+    __slots__ = ("open", "verify", "close")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: OpenTarget
+    verify: Verify
+    close: CloseTarget
+    def __init__(self, open: _Optional[_Union[OpenTarget, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[CloseTarget, _Mapping]] = ...) -> None: ...
+
+class OpenTarget(_message.Message):
+    __slots__ = ("prompt_ids", "sampling")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.Sampling
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed")
+    VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    RELAXED_FIELD_NUMBER: _ClassVar[int]
+    verify_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
+    relaxed_threshold: float
+    relaxed: bool
+    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ...) -> None: ...
+
+class CloseTarget(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetResponse(_message.Message):
+    __slots__ = ("verified", "closed")
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    verified: Verified
+    closed: TargetClosed
+    def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
+
+class Verified(_message.Message):
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size")
+    VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_STRICT_FIELD_NUMBER: _ClassVar[int]
+    JS_DISTANCES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    verify_id: int
+    num_accepted: int
+    next_token: int
+    num_strict: int
+    js_distances: _containers.RepeatedScalarFieldContainer[float]
+    forward_seconds: float
+    batch_size: int
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class TargetClosed(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,84 @@
+"""Verification of concurrent sessions in one forward pass.
+
+Sessions submit jobs (new ids after their cache, how many logits they need); one worker
+takes every job queued while the previous forward ran and runs them as one batch
+(specd.models.batch.batched_extend), so batching costs no added latency: a lone request
+is run at once, and requests arriving during a forward share the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.models.batch import batched_extend
+from specd.models.session import KVSession
+
+
+@dataclass
+class Job:
+    session: KVSession
+    ids: list[int]
+    num_logits: int
+    then: Callable[[torch.Tensor], object]  # runs on the compute thread with this job's logits
+    future: asyncio.Future = field(default=None)
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    forward_seconds: float
+    batch_size: int
+
+
+class VerifyBatcher:
+    def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8):
+        self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
+        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.last_batch_size = 0
+        self._worker: asyncio.Task | None = None
+
+    async def submit(self, session: KVSession, ids: list[int], num_logits: int,
+                     then: Callable[[torch.Tensor], object]) -> tuple[object, BatchInfo]:
+        """Extend session by ids in the next forward; returns then(logits) and the batch's info."""
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._run())
+        job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future())
+        self.queue.put_nowait(job)
+        return await job.future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self.queue.get()]
+            while len(jobs) < self.max_batch_size and not self.queue.empty():
+                jobs.append(self.queue.get_nowait())
+            jobs = [j for j in jobs if not j.future.cancelled()]  # the client went away
+            if not jobs:
+                continue
+            self.last_batch_size = len(jobs)
+            try:
+                results = await loop.run_in_executor(self.executor, self._forward, jobs)
+            except Exception as e:  # noqa: BLE001 - every waiting session gets the error
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+                continue
+            for j, r in zip(jobs, results):
+                if not j.future.done():
+                    j.future.set_result(r)
+
+    def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
+        t0 = time.perf_counter()
+        logits = batched_extend(self.model, [j.session for j in jobs], [j.ids for j in jobs],
+                                [j.num_logits for j in jobs])
+        info = BatchInfo(time.perf_counter() - t0, len(jobs))
+        return [(j.then(lg), info) for j, lg in zip(jobs, logits)]
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()

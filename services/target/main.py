@@ -1,0 +1,41 @@
+"""`specd serve target`: the target service process."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.settings import TargetSettings
+from services.proto.specd.target.v1 import target_pb2_grpc
+from services.target.servicer import SERVICE_NAME, TargetServicer
+
+log = logging.getLogger(__name__)
+
+
+def build_servicer(s: TargetSettings) -> TargetServicer:
+    import torch
+
+    from specd.models import load_model
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    return TargetServicer(load_model(s.model, s.device, s.dtype, s.cache_dir), s.max_batch_size)
+
+
+async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the port it listens on."""
+    server, health = make_server([SERVICE_NAME])
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{s.host}:{s.port}")
+    await server.start()
+    await mark_serving(health, [SERVICE_NAME])
+    log.info("target service (%s) listening on %s:%d", servicer.target.name, s.host, port)
+    return server, port
+
+
+async def serve(s: TargetSettings) -> None:
+    server, port = await start(s, build_servicer(s))
+    print(f"specd target listening on {s.host}:{port}", flush=True)
+    await run_until_signal(server)

@@ -1,0 +1,59 @@
+"""One verification session on the target: the committed sequence, its KV cache and its
+random generator. After each verification the cache keeps the committed tokens plus the
+accepted drafts; the recovered or bonus token is fed with the next window (engine.py's
+invariant, DESIGN.md §3.1)."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.errors import InvalidRequest
+from specd.models.loading import LoadedModel
+from specd.types import SamplingParams
+from specd.verify import Verdict, verify_window
+
+
+class TargetSession:
+    def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams):
+        sampling.validate(max_new_tokens_limit=target.max_context)
+        if not prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        if len(prompt) >= target.max_context:
+            raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is {target.max_context}")
+        if min(prompt) < 0 or max(prompt) >= target.vocab_size:
+            raise InvalidRequest("prompt", f"token ids must be in [0, {target.vocab_size})")
+        self.target, self.sampling = target, sampling
+        self.seq = list(prompt)
+        self.kv = target.session()
+        self.generator = None
+        if not sampling.greedy:
+            # A stream of its own: the draft service seeds its generator with the same seed.
+            self.generator = torch.Generator(device=target.device)
+            self.generator.manual_seed((sampling.seed + 1) % 2**63 if sampling.seed is not None
+                                       else int(torch.randint(0, 2**62, (1,))))
+
+    def prefill(self) -> None:
+        """Cache all but the last prompt token while the draft drafts its first window."""
+        if len(self.seq) > 1:
+            self.kv.extend(self.seq[:-1], 1)
+
+    def window(self, drafts: list[int]) -> list[int]:
+        """The ids to feed for verifying drafts: uncached committed tokens, then the drafts."""
+        if len(self.seq) + len(drafts) >= self.target.max_context + 1:
+            raise InvalidRequest("tokens", f"the window would pass the context of {self.target.max_context}")
+        if drafts and (min(drafts) < 0 or max(drafts) >= self.target.vocab_size):
+            raise InvalidRequest("tokens", f"draft token ids must be in [0, {self.target.vocab_size})")
+        return self.seq[self.kv.length:] + drafts
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+               relaxed_threshold: float | None, relaxed: bool) -> Verdict:
+        """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
+        committed = len(self.seq)
+        verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed)
+        n = verdict.num_accepted
+        self.kv.rollback(committed + n)
+        self.seq += drafts[:n] + [verdict.next_token]
+        return verdict
+
+    def close(self) -> None:
+        self.kv.close()

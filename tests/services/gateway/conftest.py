@@ -1,0 +1,68 @@
+"""A real gateway served by uvicorn on a free loopback port, in a background thread, over
+the tiny LocalBackend; `serve` starts more (e.g. with API keys)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from services.gateway import create_app
+
+MAX_TOKENS_LIMIT = 1000  # above the tiny model's context (512): both limits are reachable
+
+
+class _Server:
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(self.url + "/health", timeout=1)  # any answer: the server is up
+                return self.url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the gateway did not answer /health in 20 s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """serve(app) -> base URL; every server stops at the end of the session."""
+    servers: list[_Server] = []
+
+    def start(app) -> str:
+        servers.append(_Server(app))
+        return servers[-1].start()
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_url(serve, local_backend):
+    return serve(create_app(local_backend, max_tokens_limit=MAX_TOKENS_LIMIT))
+
+
+@pytest.fixture
+def http(gateway_url):
+    with httpx.Client(base_url=gateway_url, timeout=30) as client:
+        yield client

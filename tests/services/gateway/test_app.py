@@ -1,0 +1,272 @@
+"""The gateway over HTTP, served by uvicorn over the tiny LocalBackend: response and SSE
+shapes, greedy output equal to the target alone, every bad request a 400 naming its field,
+OpenAI's error shape for 401/404, a client disconnect freeing the session, and the
+operational routes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from services.gateway import create_app
+from specd.errors import Overloaded, Unavailable
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+STAT_KEYS = {"drafted", "accepted", "mean_accepted_tokens", "acceptance_rate", "draft_lengths",
+             "verifications"}
+
+
+def _events(response: httpx.Response) -> list:
+    """The SSE payloads of a stream, JSON-decoded, with [DONE] kept as a string."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return out
+
+
+def _chat(http, **body) -> dict:
+    r = http.post(CHAT, json={"model": "tiny", "messages": HI, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_completion(http, local_backend):
+    out = _chat(http, max_tokens=24)
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    assert out["model"] == local_backend.model_card().id
+    (choice,) = out["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = out["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert STAT_KEYS <= out["spec_stats"].keys() and out["spec_stats"]["policy"] == "heuristic"
+
+
+def test_streamed_chat_adds_up_to_the_plain_answer(http):
+    plain = _chat(http, max_tokens=24)
+    with http.stream("POST", CHAT, json={"messages": HI, "temperature": 0, "max_tokens": 24, "stream": True,
+                                         "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r)
+    assert events[-1] == "[DONE]"
+    first, *middle, final, usage_chunk, _ = events
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == first["id"] for e in events[:-1])
+    text = "".join(e["choices"][0]["delta"]["content"] for e in middle)
+    assert text == plain["choices"][0]["message"]["content"]
+    assert final["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert STAT_KEYS <= final["spec_stats"].keys()
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain["usage"]
+
+
+def test_streamed_completion_without_usage(http):
+    body = {"prompt": "Hi", "temperature": 0, "max_tokens": 16}
+    plain = http.post(COMPLETIONS, json=body).json()
+    assert plain["object"] == "text_completion" and STAT_KEYS <= plain["spec_stats"].keys()
+    with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+        *chunks, done = _events(r)
+    assert done == "[DONE]" and all("usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert "spec_stats" in chunks[-1] and all("spec_stats" not in c for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("policy", ["constant", "heuristic", "svip", "adaedl"])
+def test_greedy_output_equals_the_target_alone(http, policy):
+    messages = [{"role": "user", "content": "Hello"}]
+    alone = _chat(http, messages=messages, max_tokens=60, speculative={"enabled": False})
+    spec = _chat(http, messages=messages, max_tokens=60, speculative={"policy": policy})
+    assert alone["spec_stats"]["policy"] == "none" and alone["spec_stats"]["drafted"] == 0
+    assert spec["spec_stats"]["policy"] == policy and spec["spec_stats"]["accepted"] > 0
+    assert spec["choices"] == alone["choices"] and spec["usage"] == alone["usage"]
+
+
+def test_sampling_with_a_seed_is_reproducible(http):
+    a, b = (_chat(http, temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=24) for _ in range(2))
+    assert a["choices"] == b["choices"] and a["usage"]["completion_tokens"] > 0
+
+
+BAD = [  # (route, body, param)
+    (CHAT, {"messages": HI, "speculative": {"policy": "no-such-policy"}}, "speculative.policy"),
+    (CHAT, {"messages": HI, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": 1001}, "max_tokens"),  # the gateway's limit
+    (CHAT, {"messages": HI, "max_tokens": 700}, "max_tokens"),  # the model's context (engine)
+    (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": HI, "temperature": -1}, "temperature"),
+    (CHAT, {"messages": HI, "temperature": 3}, "temperature"),
+    (CHAT, {"messages": HI, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": HI, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": "Hi"}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
+    (CHAT, {"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # longer than the context
+    (CHAT, {"messages": HI, "n": 2}, "n"),
+    (CHAT, {"messages": HI, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": HI, "stop": 5}, "stop"),
+    (CHAT, {"messages": HI, "speculative": {"policy": "svip", "params": {"h": -1}}}, "speculative.params.h"),
+    (CHAT, {"messages": HI, "speculative": {"params": {"no_such_param": 1}}},
+     "speculative.params.no_such_param"),
+    (CHAT, {"messages": HI, "speculative": {"params": {"k0": "many"}}}, "speculative.params.k0"),
+    (CHAT, {"messages": HI, "speculative": {"max_draft_tokens": 0}}, "speculative.max_draft_tokens"),
+    (CHAT, {"messages": HI, "speculative": {"relaxed": True}}, "speculative.relaxed"),
+    (CHAT, {"messages": HI, "speculative": {"polcy": "svip"}}, "speculative.polcy"),
+    (COMPLETIONS, {"prompt": "x" * 600}, "prompt"),
+    (COMPLETIONS, {"prompt": "   "}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"prompt": "Hi", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, "best_of"),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": 1}, "logprobs"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route, body, param", BAD)
+def test_bad_request_is_a_400_naming_the_field(http, route, body, param, stream):
+    r = http.post(route, json={"model": "tiny", **body, "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("content, headers", [
+    (b"{not json", {"content-type": "application/json"}),
+    (b"[1, 2]", {"content-type": "application/json"}),
+    (b'{"messages": []}', {}),  # no JSON content type: not parsed (FastAPI's CSRF guard)
+])
+def test_a_body_that_is_not_a_json_object_is_a_400(http, content, headers):
+    r = http.post(CHAT, content=content, headers=headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] is None
+
+
+def test_unknown_fields_are_ignored(http):
+    out = _chat(http, max_tokens=4, user="someone", metadata={"a": "b"}, store=False)
+    assert out["usage"]["completion_tokens"] <= 4
+
+
+def test_unknown_route_and_method_use_the_error_shape(http):
+    r = http.get("/v1/no-such-route")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "Invalid URL (GET /v1/no-such-route)",
+                                  "type": "invalid_request_error", "param": None, "code": None}}
+    r = http.get(CHAT)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_keys(serve, local_backend):
+    url = serve(create_app(local_backend, api_keys=frozenset({"k1"})))
+    body = {"messages": HI, "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}):
+            r = c.post(CHAT, json=body, headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["param"] is None
+        assert c.get("/v1/models").status_code == 401
+        assert c.post(CHAT, json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+LONG = {"messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 480,
+        "speculative": {"enabled": False}}  # the tiny target answers 300+ tokens without EOS
+
+
+def _wait_idle(backend, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while backend.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend.active_sessions == 0
+
+
+def test_client_disconnect_mid_stream_frees_the_session(http, local_backend):
+    cancelled = local_backend.cancelled_sessions
+    with http.stream("POST", CHAT, json={**LONG, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+        assert local_backend.active_sessions == 1
+    # Leaving the block closes the unread response, and so the connection.
+    _wait_idle(local_backend)
+    assert local_backend.cancelled_sessions == cancelled + 1
+
+
+def test_client_disconnect_before_a_plain_answer_frees_the_session(http, local_backend):
+    cancelled = local_backend.cancelled_sessions
+    with pytest.raises(httpx.ReadTimeout):
+        http.post(CHAT, json=LONG, timeout=0.3)  # the answer takes seconds: the client gives up
+    _wait_idle(local_backend)
+    assert local_backend.cancelled_sessions == cancelled + 1
+    assert 'route="/v1/chat/completions",status="499"' in http.get("/metrics").text
+
+
+def test_models(http, local_backend):
+    out = http.get("/v1/models").json()
+    card = local_backend.model_card()
+    assert out["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"], m["draft"]) for m in out["data"]] == \
+        [(card.id, "model", 512, card.draft)]
+
+
+def test_health_metrics_and_openapi(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    http.get("/v1/no-such-route")
+    text = http.get("/metrics").text
+    assert 'specd_gateway_requests_total{route="/health",status="200"}' in text
+    assert 'specd_gateway_requests_total{route="unmatched",status="404"}' in text
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics"} <= paths.keys()
+
+
+def test_health_is_503_when_the_backend_is_not_ready(serve, local_backend):
+    class NotReady:
+        def model_card(self):
+            return local_backend.model_card()
+
+        async def ready(self) -> bool:
+            return False
+
+    r = httpx.get(serve(create_app(NotReady())) + "/health")
+    assert r.status_code == 503 and r.json() == {"status": "unavailable"}
+
+
+class _Failing:
+    """A backend whose every request fails before its first event."""
+
+    def __init__(self, card, exc: Exception):
+        self.card, self.exc = card, exc
+
+    def model_card(self):
+        return self.card
+
+    async def ready(self) -> bool:
+        return True
+
+    async def generate(self, request):
+        raise self.exc
+        yield  # an async generator, like a real backend
+
+
+@pytest.mark.parametrize("exc, status, type_", [
+    (Overloaded("too many requests in flight"), 429, "rate_limit_error"),
+    (Unavailable("target service unreachable"), 503, "server_error"),
+    (RuntimeError("a bug"), 500, "server_error"),
+])
+def test_backend_errors_map_to_statuses(serve, local_backend, exc, status, type_):
+    url = serve(create_app(_Failing(local_backend.model_card(), exc)))
+    for stream in (False, True):
+        r = httpx.post(url + CHAT, json={"messages": HI, "stream": stream})
+        assert r.status_code == status and r.json()["error"]["type"] == type_
+    if status == 500:
+        assert r.json()["error"]["message"] == "internal server error"  # no internals leak

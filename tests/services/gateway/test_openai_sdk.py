@@ -1,0 +1,66 @@
+"""The official `openai` SDK against the real gateway: it parses our responses and chunks,
+sends `speculative` through extra_body, sees `spec_stats` beside `usage`, and turns our
+errors into its typed exceptions."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+SPEC = {"speculative": {"policy": "heuristic"}}
+
+
+@pytest.fixture
+def client(gateway_url):
+    with openai.OpenAI(base_url=gateway_url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def _stats(obj) -> dict:
+    return obj.model_extra["spec_stats"]
+
+
+def test_chat(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20,
+                                         extra_body=SPEC)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
+    assert out.usage.completion_tokens <= 20
+    stats = _stats(out)
+    assert stats["policy"] == "heuristic" and stats["verifications"] >= 1
+
+
+def test_chat_stream_with_usage(client):
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MESSAGES, temperature=0, max_tokens=20, stream=True,
+        stream_options={"include_usage": True}, extra_body=SPEC))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert final.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert _stats(final)["policy"] == "heuristic"
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+
+
+def test_completions(client):
+    out = client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16)
+    chunks = list(client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert _stats(chunks[-1])["new_tokens"] == out.usage.completion_tokens == _stats(out)["new_tokens"]
+
+
+def test_models(client):
+    (model,) = client.models.list().data
+    assert model.object == "model" and model.model_extra["max_model_len"] == 512
+
+
+def test_errors_become_sdk_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                       extra_body={"speculative": {"policy": "x"}})
+    assert err.value.param == "speculative.policy"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=3, stream=True)
+    assert err.value.param == "temperature"
