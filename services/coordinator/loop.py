@@ -60,7 +60,8 @@ class LoopStats(GenerationStats):
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
                 "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
-                "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total}
+                "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total,
+                "max_verify_batch": max(self.batch_sizes, default=0)}
 
 
 @dataclass(frozen=True)

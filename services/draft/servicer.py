@@ -55,8 +55,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         finally:
             reading.cancel()
             drafting.cancel()
-            # Queued behind any forward still running, so the cache is not freed under it.
-            await asyncio.get_running_loop().run_in_executor(self.executor, runner.session.close)
+            # Queued behind any forward still running, so the cache is not freed under it; not
+            # awaited, because a cancelled call would interrupt the await and skip the rest.
+            self.executor.submit(runner.session.close)
             self.active_sessions -= 1
 
     def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:

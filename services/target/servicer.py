@@ -64,8 +64,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 yield await self._verify(session, msg.verify)
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
-            # Queued behind any forward still running, so the cache is not freed under it.
-            await loop.run_in_executor(self.executor, session.close)
+            # Queued behind any forward still running, so the cache is not freed under it; not
+            # awaited, because a cancelled call would interrupt the await and skip the rest.
+            self.executor.submit(session.close)
             self.active_sessions -= 1
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:

@@ -10,11 +10,30 @@ import time
 import pytest
 
 from services.coordinator.api import FinishEvent, GenerateRequest, TokenEvent
+from services.coordinator.local import LocalBackend
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
+from specd.models import load_model
 from specd.types import SamplingParams, SpecParams
 
 LONG_CHAT = ({"role": "user", "content": "Hello"},)  # the tiny target answers 300+ tokens without EOS
 PROMPT_IDS = (5, 9, 17, 33, 5, 9, 17)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dirs):
+    """The tiny pair loaded from disk with its char tokenizer (context 512), hf drafter."""
+    target = load_model(str(tiny_dirs[0]), device="cpu", dtype="float32")
+    draft = load_model(str(tiny_dirs[1]), device="cpu", dtype="float32")
+    return SpeculativeEngine(target, build_drafter("hf", target, draft))
+
+
+@pytest.fixture(scope="module")
+def local_backend(tiny_engine):
+    backend = LocalBackend(tiny_engine)
+    yield backend
+    asyncio.run(backend.close())
 
 
 def _collect(backend, request: GenerateRequest) -> list:

@@ -1,8 +1,10 @@
 """A real gateway served by uvicorn on a free loopback port, in a background thread, over
-the tiny LocalBackend; `serve` starts more (e.g. with API keys)."""
+a LocalBackend on the tiny pair (loaded from disk the way a service loads models, with its
+char tokenizer: context 512); `serve` starts more (e.g. with API keys)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -11,7 +13,11 @@ import httpx
 import pytest
 import uvicorn
 
+from services.coordinator.local import LocalBackend
 from services.gateway import create_app
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
+from specd.models import load_model
 
 MAX_TOKENS_LIMIT = 1000  # above the tiny model's context (512): both limits are reachable
 
@@ -41,6 +47,15 @@ class _Server:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def local_backend(tiny_dirs):
+    target = load_model(str(tiny_dirs[0]), device="cpu", dtype="float32")
+    draft = load_model(str(tiny_dirs[1]), device="cpu", dtype="float32")
+    backend = LocalBackend(SpeculativeEngine(target, build_drafter("hf", target, draft)))
+    yield backend
+    asyncio.run(backend.close())
 
 
 @pytest.fixture(scope="session")

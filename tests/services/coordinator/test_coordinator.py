@@ -1,0 +1,215 @@
+"""The coordinator over real draft and target gRPC services on loopback (tiny models):
+greedy output is token-identical to the target alone for every policy, drafter and PEARL
+setting; failures of either service behave as DESIGN.md §1 says; a client that goes away
+frees both sessions; concurrent requests share target forwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.state import AsyncMemoryStateStore
+from services.coordinator.api import FinishEvent, GenerateRequest
+from services.coordinator.coordinator import Coordinator, CoordinatorConfig
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
+from specd.errors import InvalidRequest, ModelError, Unavailable
+from specd.types import SamplingParams, SpecParams
+from tests.services.conftest import draft_service
+
+PROMPTS = ["Hello there, how are", "abcabc abc xyz abc"]
+POLICIES = ["none", "constant", "heuristic", "max-confidence", "svip", "adaedl", "adasd"]
+
+
+def generate(target_addr, draft_addr, request, store=None, **cfg):
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_addr, draft_addr, **cfg), store or AsyncMemoryStateStore())
+        await coord.connect()
+        ids, finish = [], None
+        try:
+            async for ev in coord.generate(request):
+                if isinstance(ev, FinishEvent):
+                    finish = ev
+                else:
+                    ids += ev.token_ids
+        finally:
+            await coord.close()
+        return ids, finish
+
+    return asyncio.run(run())
+
+
+def reference(target, prompt: str, n: int) -> list[int]:
+    ids = target.encode_prompt(prompt, chat=False)
+    return SpeculativeEngine(target).generate(ids, SamplingParams(max_new_tokens=n), SpecParams("none")).token_ids
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("drafter", ["hf", "ngram"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_output_is_the_target_alone(chat_pair, target_service, hf_draft_service, ngram_draft_service,
+                                           policy, drafter, overlap):
+    draft = hf_draft_service if drafter == "hf" else ngram_draft_service
+    for prompt in PROMPTS:
+        request = GenerateRequest(prompt=prompt, sampling=SamplingParams(max_new_tokens=32),
+                                  spec=SpecParams(policy), overlap=overlap)
+        ids, finish = generate(target_service.address, draft.address, request)
+        assert ids == reference(chat_pair[0], prompt, 32)
+        stats = finish.spec_stats
+        assert not stats["fallback"] and stats["overlap"] == overlap
+        if policy != "none":
+            assert stats["accepted"] <= stats["drafted"]
+            assert stats["verifications"] + stats["accepted"] >= len(ids)
+
+
+def test_speculation_happens(chat_pair, target_service, hf_draft_service):
+    """The 1%-noise draft must get tokens accepted, or the identity tests prove little."""
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=32),
+                              spec=SpecParams("constant"), overlap=False)
+    _, finish = generate(target_service.address, hf_draft_service.address, request)
+    assert finish.spec_stats["accepted"] > 0
+    assert finish.spec_stats["verifications"] < 32
+
+
+def test_sampling_runs_with_both_modes(target_service, hf_draft_service):
+    for overlap in (False, True):
+        request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(1.0, top_k=8, seed=3, max_new_tokens=24),
+                                  spec=SpecParams("constant"), overlap=overlap)
+        ids, finish = generate(target_service.address, hf_draft_service.address, request)
+        assert 0 < len(ids) <= 24 and not finish.spec_stats["fallback"]
+
+
+def test_draft_down_falls_back_to_the_target(chat_pair, target_service):
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=16), spec=SpecParams("heuristic"))
+    ids, finish = generate(target_service.address, "127.0.0.1:1", request)
+    assert ids == reference(chat_pair[0], PROMPTS[0], 16)
+    assert finish.spec_stats["fallback"] and "draft" in finish.spec_stats["fallback_reason"]
+
+
+def test_draft_dying_mid_request_falls_back_and_recovers(chat_pair, service_loop, target_service):
+    target, draft = chat_pair
+    svc = draft_service(service_loop, build_drafter("hf", draft, draft), draft)
+    port = svc.address.rsplit(":", 1)[1]
+
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_service.address, svc.address), AsyncMemoryStateStore())
+        await coord.connect()
+        request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=200),
+                                  spec=SpecParams("constant"), overlap=True)
+        ids, finish = [], None
+        async for ev in coord.generate(request):
+            if isinstance(ev, FinishEvent):
+                finish = ev
+            else:
+                ids += ev.token_ids
+                if len(ids) >= 4 and svc.server is not None:
+                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(svc.server.stop(0), service_loop.loop))
+                    svc.server = None
+        await coord.close()
+        return ids, finish
+
+    ids, finish = asyncio.run(run())
+    assert ids == reference(target, PROMPTS[0], 200)
+    assert finish.spec_stats["fallback"]
+    # The draft comes back on the same port: new requests use it again.
+    from services.common.settings import DraftSettings
+    from services.draft.main import start as start_draft
+    from services.draft.servicer import DraftServicer
+
+    server, _ = service_loop.run(start_draft(DraftSettings(port=int(port)),
+                                             DraftServicer(build_drafter("hf", draft, draft), draft)))
+    try:
+        request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=16), spec=SpecParams("constant"))
+        ids, finish = generate(target_service.address, f"127.0.0.1:{port}", request)
+        assert ids == reference(target, PROMPTS[0], 16) and not finish.spec_stats["fallback"]
+    finally:
+        service_loop.run(server.stop(0))
+
+
+def test_target_down_is_unavailable(hf_draft_service):
+    with pytest.raises(Unavailable, match="target"):
+        generate("127.0.0.1:1", hf_draft_service.address, GenerateRequest(prompt="hi"))
+
+
+def test_client_going_away_frees_both_sessions(target_service, hf_draft_service):
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
+                            AsyncMemoryStateStore())
+        await coord.connect()
+        events = coord.generate(GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=300),
+                                                spec=SpecParams("constant")))
+        await anext(events)
+        assert target_service.servicer.active_sessions == 1 and hf_draft_service.servicer.active_sessions == 1
+        await events.aclose()
+        await coord.close()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (target_service.servicer.active_sessions
+                                           or hf_draft_service.servicer.active_sessions):
+        time.sleep(0.05)
+    assert target_service.servicer.active_sessions == 0
+    assert hf_draft_service.servicer.active_sessions == 0
+
+
+@pytest.mark.parametrize("spec, sampling, field", [
+    (SpecParams("nope"), SamplingParams(), "policy"),
+    (SpecParams("svip", policy_params={"h": -1.0}), SamplingParams(), "policy_params.h"),
+    (SpecParams("svip", policy_params={"bogus": 1.0}), SamplingParams(), "policy_params.bogus"),
+    (SpecParams("oracle"), SamplingParams(), "policy"),
+    (SpecParams("constant", relaxed=True), SamplingParams(), "relaxed"),
+    (SpecParams("constant"), SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (SpecParams("constant"), SamplingParams(temperature=-1.0), "temperature"),
+])
+def test_bad_requests_name_the_field(target_service, hf_draft_service, spec, sampling, field):
+    with pytest.raises(InvalidRequest) as e:
+        generate(target_service.address, hf_draft_service.address,
+                 GenerateRequest(prompt="hi", sampling=sampling, spec=spec))
+    assert e.value.field == field
+
+
+def test_prompt_longer_than_the_context(target_service, hf_draft_service):
+    with pytest.raises(InvalidRequest) as e:
+        generate(target_service.address, hf_draft_service.address, GenerateRequest(prompt="x" * 600))
+    assert e.value.field == "prompt"
+
+
+def test_a_draft_with_another_tokenizer_is_refused(service_loop, chat_pair, target_service):
+    from specd.models.tiny import char_tokenizer, loaded
+
+    other = char_tokenizer()
+    other.add_tokens(["<extra>"])  # one more token: another vocabulary, another fingerprint
+    draft = chat_pair[1]
+    odd = loaded(draft.model, "odd-draft", other)
+    svc = draft_service(service_loop, build_drafter("hf", draft, draft), odd)
+    try:
+        with pytest.raises(ModelError, match="tokenizer"):
+            generate(target_service.address, svc.address, GenerateRequest(prompt="hi"))
+    finally:
+        svc.stop()
+
+
+def test_concurrent_requests_share_target_forwards(chat_pair, target_service, hf_draft_service):
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
+                            AsyncMemoryStateStore())
+        await coord.connect()
+
+        async def one(prompt):
+            ids, finish = [], None
+            async for ev in coord.generate(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_new_tokens=48),
+                                                           spec=SpecParams("none"))):
+                finish = ev if isinstance(ev, FinishEvent) else finish
+                ids += [] if isinstance(ev, FinishEvent) else list(ev.token_ids)
+            return ids, finish
+
+        results = await asyncio.gather(*(one(p) for p in PROMPTS + ["The quick brown fox"]))
+        await coord.close()
+        return results
+
+    results = asyncio.run(run())
+    for prompt, (ids, _) in zip(PROMPTS + ["The quick brown fox"], results):
+        assert ids == reference(chat_pair[0], prompt, 48)
+    assert max(f.spec_stats["max_verify_batch"] for _, f in results) > 1
