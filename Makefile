@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install redis up test clean
+.PHONY: install redis up test clean protos
 
 install: $(VENV)/.installed
 
@@ -32,7 +32,10 @@ redis:
 	}
 
 up: install
-	$(BIN)/specd generate "$(PROMPT)" --max-new-tokens 96
+	$(BIN)/specd up
+
+protos: install
+	$(BIN)/python -m services.protogen
 
 test: install redis
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15

@@ -55,12 +55,14 @@ class LoopStats(GenerationStats):
     draft_wait_s: float = 0.0  # the loop idle, waiting on the draft alone
     verify_wait_s: float = 0.0  # a verification in flight
     drafted_total: int = 0  # every token the draft service drafted, verified or not
+    continuations_kept: int = 0  # drafts past a verified chunk that equalled its bonus token
     batch_sizes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
                 "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
                 "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total,
+                "continuations_kept": self.continuations_kept,
                 "max_verify_batch": max(self.batch_sizes, default=0)}
 
 
@@ -281,6 +283,9 @@ class RequestLoop:
         tokens = [t.token for t in chunk[:n]] + [v.next_token]
         self._record(k, n, v)
         start = len(self.seq)
+        ahead = self.drafts.get(start + n) if n == k else None
+        if ahead is not None and ahead.token == v.next_token:
+            self.stats.continuations_kept += 1  # PEARL: the next window's first draft was the bonus
         emitted = self._commit(tokens)
         for pos in range(start, start + len(tokens)):
             self.drafts.pop(pos, None)

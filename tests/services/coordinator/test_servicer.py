@@ -1,0 +1,210 @@
+"""The coordinator as its own gRPC service (services.coordinator.main.start) over the real draft
+and target services on loopback (tiny models), driven by clients.specd_client (sync and async)
+and by RemoteBackend: greedy output is the target alone's with PEARL on and off; bad requests
+come back as INVALID_ARGUMENT naming the field; a cancelled stream frees both services'
+sessions; the standard health check and server reflection answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from clients.specd_client import AsyncCoordinatorClient, Chunk, CoordinatorClient, build_request
+from services.common.server import check_health
+from services.common.settings import CoordinatorSettings
+from services.common.state import AsyncMemoryStateStore
+from services.coordinator.api import FinishEvent, GenerateRequest
+from services.coordinator.coordinator import Coordinator, CoordinatorConfig
+from services.coordinator.main import start
+from services.coordinator.remote import RemoteBackend
+from services.coordinator.servicer import SERVICE_NAME
+from services.proto.specd.coordinator.v1 import coordinator_pb2_grpc
+from specd.engine import SpeculativeEngine
+from specd.errors import InvalidRequest
+from specd.types import SamplingParams, SpecParams
+from tests.services.conftest import Service
+
+PROMPT = "Hello there, how are"
+MESSAGES = [{"role": "user", "content": "abcabc abc"}]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def coordinator_service(service_loop, target_service, hf_draft_service):
+    settings = CoordinatorSettings(port=0, target_address=target_service.address,
+                                   draft_address=hf_draft_service.address)
+
+    async def up():  # the Coordinator's channels belong to the loop that serves it
+        coordinator = Coordinator(CoordinatorConfig(settings.target_address, settings.draft_address),
+                                  AsyncMemoryStateStore())
+        server, port = await start(settings, coordinator)
+        return coordinator, server, port
+
+    coordinator, server, port = service_loop.run(up())
+    yield Service(f"127.0.0.1:{port}", coordinator, server, service_loop)
+    service_loop.run(server.stop(0))
+    service_loop.run(coordinator.close())
+
+
+def reference(target, source: str | list[dict], n: int = N) -> list[int]:
+    ids = target.encode_prompt(source, chat=not isinstance(source, str))
+    return SpeculativeEngine(target).generate(ids, SamplingParams(max_new_tokens=n), SpecParams("none")).token_ids
+
+
+def _source(kind: str) -> dict:
+    return {"prompt": PROMPT} if kind == "prompt" else {"messages": MESSAGES}
+
+
+def _check(chunks: list[Chunk], expected: list[int], overlap: bool) -> None:
+    *body, last = chunks
+    assert [t for c in body for t in c.token_ids] == expected
+    assert all(c.finish_reason is None and c.spec_stats is None for c in body)
+    assert last.finish_reason in ("stop", "length") and last.completion_tokens == len(expected)
+    stats = last.spec_stats
+    assert stats["policy"] == "heuristic" and stats["overlap"] == overlap and not stats["fallback"]
+    assert stats["drafter"] and 1 <= stats["verifications"] < len(expected) and stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("kind", ["prompt", "messages"])
+def test_sync_client_is_the_target_alone(chat_pair, coordinator_service, kind, overlap):
+    with CoordinatorClient(coordinator_service.address) as client:
+        chunks = list(client.generate(**_source(kind), max_new_tokens=N, policy="heuristic", overlap=overlap))
+    _check(chunks, reference(chat_pair[0], _source(kind)[kind]), overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("kind", ["prompt", "messages"])
+def test_async_client_is_the_target_alone(chat_pair, coordinator_service, kind, overlap):
+    async def run():
+        async with AsyncCoordinatorClient(coordinator_service.address) as client:
+            return [c async for c in client.generate(**_source(kind), max_new_tokens=N, policy="heuristic",
+                                                     overlap=overlap)]
+
+    _check(asyncio.run(run()), reference(chat_pair[0], _source(kind)[kind]), overlap)
+
+
+def test_info(chat_pair, coordinator_service):
+    with CoordinatorClient(coordinator_service.address) as client:
+        card = client.info()
+    assert card.id == chat_pair[0].name and card.max_context == chat_pair[0].max_context
+    assert card.draft  # the hf draft service's name
+
+    async def run():
+        async with AsyncCoordinatorClient(coordinator_service.address) as client:
+            return await client.info()
+
+    assert asyncio.run(run()) == card
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+def test_remote_backend_is_the_target_alone(chat_pair, coordinator_service, overlap):
+    async def run():
+        backend = RemoteBackend(coordinator_service.address)
+        await backend.connect()
+        ids, finish = [], None
+        try:
+            async for ev in backend.generate(GenerateRequest(
+                    prompt=PROMPT, sampling=SamplingParams(max_new_tokens=N), spec=SpecParams("heuristic"),
+                    overlap=overlap)):
+                if isinstance(ev, FinishEvent):
+                    finish = ev
+                else:
+                    ids += ev.token_ids
+        finally:
+            await backend.close()
+        return backend.model_card(), ids, finish
+
+    card, ids, finish = asyncio.run(run())
+    assert card.id == chat_pair[0].name
+    assert ids == reference(chat_pair[0], PROMPT)
+    assert finish.spec_stats["overlap"] == overlap and not finish.spec_stats["fallback"]
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"policy": "nope"}, "policy"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(coordinator_service, options, field):
+    with grpc.insecure_channel(coordinator_service.address) as ch:  # the raw status
+        with pytest.raises(grpc.RpcError) as raw:
+            list(coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(
+                build_request(PROMPT, **options), timeout=30))
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raw.value.details().startswith(f"{field}: ")
+
+    with CoordinatorClient(coordinator_service.address) as client:
+        with pytest.raises(InvalidRequest) as e:
+            list(client.generate(PROMPT, **options))
+    assert e.value.field == field
+
+    async def run():
+        async with AsyncCoordinatorClient(coordinator_service.address) as client:
+            return [c async for c in client.generate(PROMPT, **options)]
+
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(run())
+    assert e.value.field == field
+
+
+def test_the_input_is_checked_before_sending(coordinator_service):
+    with CoordinatorClient(coordinator_service.address) as client:
+        with pytest.raises(InvalidRequest) as e:
+            client.generate(PROMPT, MESSAGES)
+    assert e.value.field == "input"
+
+
+def _wait_until_free(*services, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(s.servicer.active_sessions for s in services):
+        time.sleep(0.05)
+    assert [s.servicer.active_sessions for s in services] == [0] * len(services)
+
+
+def test_sync_stream_cancelled_frees_both_sessions(coordinator_service, target_service, hf_draft_service):
+    with CoordinatorClient(coordinator_service.address) as client:
+        stream = client.generate(PROMPT, max_new_tokens=300, policy="constant")
+        for chunk in stream:
+            assert chunk.token_ids
+            break
+        assert target_service.servicer.active_sessions == 1 and hf_draft_service.servicer.active_sessions == 1
+        stream.close()  # cancels the call
+        _wait_until_free(target_service, hf_draft_service)
+
+
+def test_async_stream_cancelled_frees_both_sessions(coordinator_service, target_service, hf_draft_service):
+    async def run():
+        async with AsyncCoordinatorClient(coordinator_service.address) as client:
+            stream = client.generate(PROMPT, max_new_tokens=300, policy="constant", overlap=True)
+            assert (await anext(stream)).token_ids
+            assert target_service.servicer.active_sessions == 1
+            assert hf_draft_service.servicer.active_sessions == 1
+            await stream.aclose()  # cancels the call
+
+    asyncio.run(run())
+    _wait_until_free(target_service, hf_draft_service)
+
+
+def test_health_and_reflection(coordinator_service):
+    assert asyncio.run(check_health(coordinator_service.address))
+    with grpc.insecure_channel(coordinator_service.address) as ch:
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+    assert SERVICE_NAME == "specd.coordinator.v1.CoordinatorService"
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def test_command_line(chat_pair, coordinator_service, capsys):
+    from clients.specd_client import main
+
+    assert main(["--address", coordinator_service.address, "--max-new-tokens", "8", "--policy", "constant",
+                 PROMPT]) == 0
+    text, _, stats = capsys.readouterr().out.partition("\n")
+    assert text == chat_pair[0].decode(reference(chat_pair[0], PROMPT, 8))
+    assert json.loads(stats)["policy"] == "constant"
+    assert main(["--address", coordinator_service.address, "--policy", "nope", PROMPT]) == 1
+    assert "policy" in capsys.readouterr().err
