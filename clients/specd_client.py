@@ -73,7 +73,8 @@ def build_request(prompt: str | None = None, messages: Sequence[dict] | None = N
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("prompt_ids", prompt_ids))
              if v is not None]
     if len(given) != 1:
-        raise InvalidRequest("input", f"give exactly one of prompt, messages or prompt_ids (got {given or 'none'})")
+        raise InvalidRequest("input", "give exactly one of prompt, messages or prompt_ids "
+                                      f"(got {', '.join(given) or 'none'})")
     sampling = SamplingParams(temperature, top_k, top_p, seed, max_new_tokens, tuple(stop))
     spec = SpecParams(policy, max_draft_tokens, dict(policy_params or {}), task_tag, relaxed)
     return request_to_proto(GenerateRequest(
@@ -85,7 +86,8 @@ def build_request(prompt: str | None = None, messages: Sequence[dict] | None = N
 def _chunk(msg: coordinator_pb2.GenerateResponse) -> Chunk:
     event = event_from_proto(msg)
     if isinstance(event, FinishEvent):
-        return Chunk("", (), event.finish_reason, event.spec_stats, event.prompt_tokens, event.completion_tokens)
+        return Chunk("", (), event.finish_reason, event.spec_stats, event.prompt_tokens,
+                     event.completion_tokens)
     return Chunk(event.text, event.token_ids)
 
 
@@ -161,8 +163,8 @@ class AsyncCoordinatorClient:
             raise from_rpc_error(e, SERVICE) from None
 
     async def generate(self, prompt: str | None = None, messages: Sequence[dict] | None = None, *,
-                       max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int | None = None, stop: Sequence[str] = (), policy: str = "",
+                       max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), policy: str = "",
                        policy_params: dict | None = None, overlap: bool | None = None, timeout: float = 600,
                        **more) -> AsyncIterator[Chunk]:
         """Streams the answer (`more`: build_request's other options); `aclose()` on the
@@ -207,22 +209,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--policy", default="", help="stopping policy ('none': target alone; default: the server's)")
-    p.add_argument("--overlap", choices=["on", "off"], default=None, help="PEARL overlap (default: the server's)")
+    p.add_argument("--policy", default="",
+                   help="stopping policy ('none': the target alone; default: the server's)")
+    p.add_argument("--overlap", choices=["on", "off"], default=None,
+                   help="PEARL overlap (default: the server's)")
     a = p.parse_args(argv)
+    overlap = None if a.overlap is None else a.overlap == "on"
     source = {"messages": [{"role": "user", "content": a.prompt}]} if a.chat else {"prompt": a.prompt}
     stats: dict = {}
     try:
         with CoordinatorClient(a.address) as client:
             for chunk in client.generate(**source, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                          top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
-                                         policy=a.policy, overlap=None if a.overlap is None else a.overlap == "on"):
+                                         policy=a.policy, overlap=overlap):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:
-                    stats = {"finish_reason": chunk.finish_reason, **(chunk.spec_stats or {})}
+                    stats = chunk.spec_stats or {}
     except SpecdError as e:
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 1
     print()
     print(json.dumps(stats, indent=2))

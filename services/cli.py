@@ -55,6 +55,9 @@ def add_commands(sub) -> None:
     up.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health checks")
     up.set_defaults(func=cmd_up)
+    from services.bench import add_command
+
+    add_command(sub)
 
 
 def _settings(name: str, args: argparse.Namespace):

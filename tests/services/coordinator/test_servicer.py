@@ -53,7 +53,8 @@ def coordinator_service(service_loop, target_service, hf_draft_service):
 
 def reference(target, source: str | list[dict], n: int = N) -> list[int]:
     ids = target.encode_prompt(source, chat=not isinstance(source, str))
-    return SpeculativeEngine(target).generate(ids, SamplingParams(max_new_tokens=n), SpecParams("none")).token_ids
+    out = SpeculativeEngine(target).generate(ids, SamplingParams(max_new_tokens=n), SpecParams("none"))
+    return out.token_ids
 
 
 def _source(kind: str) -> dict:
@@ -131,16 +132,14 @@ def test_remote_backend_is_the_target_alone(chat_pair, coordinator_service, over
     ({"max_new_tokens": 0}, "max_new_tokens"),
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field(coordinator_service, options, field):
-    with grpc.insecure_channel(coordinator_service.address) as ch:  # the raw status
-        with pytest.raises(grpc.RpcError) as raw:
-            list(coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(
-                build_request(PROMPT, **options), timeout=30))
+    with grpc.insecure_channel(coordinator_service.address) as ch, pytest.raises(grpc.RpcError) as raw:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        list(stub.Generate(build_request(PROMPT, **options), timeout=30))
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raw.value.details().startswith(f"{field}: ")
 
-    with CoordinatorClient(coordinator_service.address) as client:
-        with pytest.raises(InvalidRequest) as e:
-            list(client.generate(PROMPT, **options))
+    with CoordinatorClient(coordinator_service.address) as client, pytest.raises(InvalidRequest) as e:
+        list(client.generate(PROMPT, **options))
     assert e.value.field == field
 
     async def run():
@@ -153,9 +152,8 @@ def test_bad_requests_are_invalid_argument_naming_the_field(coordinator_service,
 
 
 def test_the_input_is_checked_before_sending(coordinator_service):
-    with CoordinatorClient(coordinator_service.address) as client:
-        with pytest.raises(InvalidRequest) as e:
-            client.generate(PROMPT, MESSAGES)
+    with CoordinatorClient(coordinator_service.address) as client, pytest.raises(InvalidRequest) as e:
+        client.generate(PROMPT, MESSAGES)
     assert e.value.field == "input"
 
 
