@@ -31,12 +31,13 @@ def sampling_from_proto(msg: common_pb2.Sampling, max_new_tokens: int = 1,
 
 def distribution_to_proto(q: torch.Tensor) -> common_pb2.Distribution:
     """q [V] float32 -> Distribution, exact: sparse when most entries are zero."""
-    q = q.detach().to("cpu", torch.float32)
-    nonzero = q.nonzero().flatten()
-    if nonzero.numel() <= SPARSE_FRACTION * q.numel():
+    # numpy, not torch: tiny torch ops pay the intra-op thread pool's wake-up (ms on a busy CPU).
+    q = q.detach().to("cpu", torch.float32).numpy()
+    if np.count_nonzero(q) <= SPARSE_FRACTION * q.size:
+        nonzero = np.flatnonzero(q)
         return common_pb2.Distribution(sparse=common_pb2.SparseDistribution(
             indices=nonzero.tolist(), values=q[nonzero].tolist()))
-    return common_pb2.Distribution(dense_f32=q.numpy().astype("<f4", copy=False).tobytes())
+    return common_pb2.Distribution(dense_f32=q.astype("<f4", copy=False).tobytes())
 
 
 def distribution_from_proto(msg: common_pb2.Distribution, vocab_size: int,
@@ -46,9 +47,9 @@ def distribution_from_proto(msg: common_pb2.Distribution, vocab_size: int,
         if q.numel() != vocab_size:
             raise ValueError(f"distribution has {q.numel()} entries, the vocabulary {vocab_size}")
     else:
-        q = torch.zeros(vocab_size)
-        q[torch.tensor(list(msg.sparse.indices), dtype=torch.long)] = torch.tensor(
-            list(msg.sparse.values), dtype=torch.float32)
+        dense = np.zeros(vocab_size, dtype=np.float32)
+        dense[np.asarray(msg.sparse.indices, dtype=np.int64)] = np.asarray(msg.sparse.values, dtype=np.float32)
+        q = torch.from_numpy(dense)
     return q.to(device)
 
 
