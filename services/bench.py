@@ -96,7 +96,7 @@ def cmd_bench_services(args) -> int:
         for p in procs:
             p.terminate()
             p.wait(10)
-    doc = {"command": " ".join(sys.argv), "pinned": pin, "drafter": drafter.name, "target": target.name,
+    doc = {"command": " ".join(["specd", *sys.argv[1:]]), "pinned": pin, "drafter": drafter.name, "target": target.name,
            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
