@@ -118,7 +118,14 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     ]
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    # Ctrl-C and `kill` both stop every service, even when started with SIGINT ignored (`cmd &`).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
@@ -186,7 +193,8 @@ def _sample(url: str) -> None:
 
     question = "Explain speculative decoding in two sentences."
     reply = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
-        "model": "specd", "messages": [{"role": "user", "content": question}], "max_tokens": 96})
+        "model": "specd", "messages": [{"role": "user", "content": question}], "max_tokens": 96,
+        "temperature": 0})
     reply.raise_for_status()
     doc = reply.json()
     s = doc.get("spec_stats", {})
