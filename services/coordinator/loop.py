@@ -100,11 +100,12 @@ class RequestLoop:
         self.policy_state: dict | None = None  # returned by the draft service on close
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
+        self.started = 0.0
 
     # -- public -----------------------------------------------------------------------------
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields each verification's newly emitted tokens; close() must follow."""
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         await self._open()
         chunk: list[draft_pb2.DraftToken] | None = None
         while self.finish_reason is None:
@@ -120,13 +121,14 @@ class RequestLoop:
             else:
                 self.stats.draft_wait_s += waited
             if source == "target":
+                if chunk is None:
+                    raise Unavailable("target service answered a verification nobody asked for")
                 new = await self._on_verified(msg, chunk)
                 chunk = None
                 if new:
                     yield new
             else:
                 self._on_draft(source, msg)
-        self.stats.wall_time_s = time.perf_counter() - started
 
     async def _next_event(self, waiting_on_target: bool) -> tuple[str, object]:
         if waiting_on_target:
@@ -143,6 +145,7 @@ class RequestLoop:
 
     async def close(self) -> None:
         """End both sessions; on a normal finish collect the draft's policy state."""
+        self.stats.wall_time_s = time.perf_counter() - self.started if self.started else 0.0
         self.stats.new_tokens = len(self.seq) - len(self.cfg.prompt)
         self.stats.finish_reason = self.finish_reason or "cancelled"
         if self.finish_reason is not None and self.draft_call is not None and not self.stats.fallback:
