@@ -36,6 +36,16 @@ def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.H
     return server, health_servicer
 
 
+async def start_server(service_name: str, add_servicer, servicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve one servicer with health and reflection; returns the server and its bound port."""
+    server, health_servicer = make_server([service_name])
+    add_servicer(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await mark_serving(health_servicer, [service_name])
+    return server, bound
+
+
 async def mark_serving(health_servicer: health.aio.HealthServicer, service_names: list[str]) -> None:
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.server import run_until_signal, start_server
 from services.common.settings import CoordinatorSettings
 from services.common.state import build_state_store
 from services.coordinator.coordinator import Coordinator, CoordinatorConfig
@@ -24,12 +24,8 @@ def build_coordinator(s: CoordinatorSettings) -> Coordinator:
 
 async def start(s: CoordinatorSettings, coordinator: Coordinator) -> tuple[grpc.aio.Server, int]:
     await coordinator.connect()
-    server, health = make_server([SERVICE_NAME])
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-        CoordinatorServicer(coordinator, s.default_policy), server)
-    port = server.add_insecure_port(f"{s.host}:{s.port}")
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
+    server, port = await start_server(SERVICE_NAME, coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+                                      CoordinatorServicer(coordinator, s.default_policy), s.host, s.port)
     log.info("coordinator listening on %s:%d (target %s, draft %s)", s.host, port, s.target_address,
              s.draft_address or "none")
     return server, port

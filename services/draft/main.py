@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.server import run_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
 from services.proto.specd.draft.v1 import draft_pb2_grpc
@@ -36,11 +36,8 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
-    server, health = make_server([SERVICE_NAME])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{s.host}:{s.port}")
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
+    server, port = await start_server(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer,
+                                      s.host, s.port)
     log.info("draft service (%s) listening on %s:%d", servicer.drafter.name, s.host, port)
     return server, port
 

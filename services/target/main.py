@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from services.common.server import make_server, mark_serving, run_until_signal
+from services.common.server import run_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
 from services.target.servicer import SERVICE_NAME, TargetServicer
@@ -26,11 +26,8 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
-    server, health = make_server([SERVICE_NAME])
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{s.host}:{s.port}")
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
+    server, port = await start_server(SERVICE_NAME, target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
+                                      s.host, s.port)
     log.info("target service (%s) listening on %s:%d", servicer.target.name, s.host, port)
     return server, port
 
