@@ -33,6 +33,8 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 
 
 async def serve(s: TargetSettings) -> None:
-    server, port = await start(s, build_servicer(s))
+    servicer = build_servicer(s)
+    server, port = await start(s, servicer)
     print(f"specd target listening on {s.host}:{port}", flush=True)
     await run_until_signal(server)
+    servicer.close()

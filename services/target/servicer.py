@@ -34,6 +34,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.max_batch_size = max_batch_size
         self.active_sessions = 0
 
+    def close(self) -> None:
+        """Stop the batching worker (on the server's event loop, after the server stopped)."""
+        self.batcher.close()
+
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size)
 

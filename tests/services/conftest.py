@@ -44,6 +44,8 @@ class Service:
 
     def stop(self):
         self.loop.run(self.server.stop(0))
+        if hasattr(self.servicer, "close"):
+            self.loop.loop.call_soon_threadsafe(self.servicer.close)
 
 
 @pytest.fixture(scope="session")

@@ -98,6 +98,7 @@ def test_pearl_sampling_follows_the_target(service_loop, pair):
     finally:
         dsvc.stop()
         service_loop.run(tserver.stop(0))
+        service_loop.loop.call_soon_threadsafe(tservicer.close)
     exact = exact_two_token(target.model, prompt)
     assert kept > 0 and rejected > 0  # both the PEARL continuation and the residual paths ran
     assert pvalue(pairs, exact) > 1e-3
