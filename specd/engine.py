@@ -72,7 +72,7 @@ class GenerationRun:
                  spec: SpecParams, reference: Sequence[int] | None):
         target = engine.target
         sampling.validate(max_new_tokens_limit=target.max_context)
-        _validate_prompt(prompt, target)
+        validate_prompt(prompt, target.vocab_size, target.max_context)
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
         self.policy, self.drafter = self._build_policy(reference)
         self.stats = GenerationStats(spec.policy, self.drafter.kind if self.drafter else None,
@@ -254,11 +254,12 @@ class GenerationRun:
                                          self.policy.state())
 
 
-def _validate_prompt(prompt: list[int], target: LoadedModel) -> None:
+def validate_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:
+    """A prompt the target can continue: non-empty, shorter than its context, ids in its vocab."""
     if not prompt:
         raise InvalidRequest("prompt", "must not be empty")
-    if len(prompt) >= target.max_context:
+    if len(prompt) >= max_context:
         raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is "
-                                       f"{target.max_context} and at least one token must be generated")
-    if min(prompt) < 0 or max(prompt) >= target.vocab_size:
-        raise InvalidRequest("prompt", f"token ids must be in [0, {target.vocab_size})")
+                                       f"{max_context} and at least one token must be generated")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size})")

@@ -33,6 +33,7 @@ from services.coordinator.loop import LoopConfig, RequestLoop
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
+from specd.engine import validate_prompt
 from specd.errors import InvalidRequest, ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
 from specd.policies import NO_SPECULATION, policy_class
@@ -153,20 +154,13 @@ class Coordinator:
                           {**loop.stats.to_dict(), "new_tokens": len(stream.ids)})
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        vocab, context = self.target_info.vocab_size, self.target_info.max_context
         if request.prompt_ids is not None:
             prompt = list(request.prompt_ids)
         elif request.messages is not None:
             prompt = encode_prompt(self.tokenizer, [dict(m) for m in request.messages], chat=True)
         else:
             prompt = encode_prompt(self.tokenizer, request.prompt or "", chat=False)
-        if not prompt:
-            raise InvalidRequest("prompt", "must not be empty")
-        if len(prompt) >= context:
-            raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is {context} "
-                                           "and at least one token must be generated")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab})")
+        validate_prompt(prompt, self.target_info.vocab_size, self.target_info.max_context)
         return prompt
 
     async def _loop_config(self, request: GenerateRequest, prompt: list[int]) -> LoopConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.types import SamplingParams
@@ -16,12 +17,7 @@ from specd.verify import Verdict, verify_window
 class TargetSession:
     def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams):
         sampling.validate(max_new_tokens_limit=target.max_context)
-        if not prompt:
-            raise InvalidRequest("prompt", "must not be empty")
-        if len(prompt) >= target.max_context:
-            raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is {target.max_context}")
-        if min(prompt) < 0 or max(prompt) >= target.vocab_size:
-            raise InvalidRequest("prompt", f"token ids must be in [0, {target.vocab_size})")
+        validate_prompt(prompt, target.vocab_size, target.max_context)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.kv = target.session()
