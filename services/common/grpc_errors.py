@@ -8,7 +8,9 @@ other exception -> INTERNAL (logged with its traceback).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -46,53 +48,89 @@ def from_rpc_error(e: grpc.aio.AioRpcError, service: str) -> SpecdError:
     return Unavailable(f"{service} service: {code.name.lower()}: {details}")
 
 
+Observe = Callable[[str, str, float], None]  # (method, status code name, seconds) when a call ends
+
+
+def _ignore(method: str, code: str, seconds: float) -> None:
+    pass
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler: a raised error becomes the matching status, never a traceback."""
+    """Wraps every handler: a raised error becomes the matching status, never a traceback.
+    With `observe`, each call's method, final status and duration are reported when it ends
+    (services.common.metrics.RpcMetrics)."""
+
+    def __init__(self, observe: Observe | None = None):
+        self.observe = observe or _ignore
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler]],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None:
             return handler
+        method, observe = details.method, self.observe
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                _unary(handler.unary_unary, method, observe), handler.request_deserializer,
+                handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                _streaming(handler.unary_stream, method, observe), handler.request_deserializer,
+                handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+                _streaming(handler.stream_stream, method, observe), handler.request_deserializer,
+                handler.response_serializer)
         return handler
 
 
-def _unary(behavior):
+def _unary(behavior, method: str, observe: Observe):
     async def wrapper(request, context: grpc.aio.ServicerContext):
+        t0, code = time.perf_counter(), "OK"
         try:
             return await behavior(request, context)
-        except SpecdError as e:
-            await context.abort(*status_of(e))
-        except Exception as e:
-            if isinstance(e, grpc.aio.AbortError):
-                raise
-            await context.abort(*status_of(e))
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            code = _aborted_code(context)
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            status = status_of(e)
+            code = status[0].name
+            await context.abort(*status)
+        finally:
+            observe(method, code, time.perf_counter() - t0)
 
     return wrapper
 
 
-def _streaming(behavior):
+def _streaming(behavior, method: str, observe: Observe):
     async def wrapper(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        t0, code = time.perf_counter(), "OK"
         responses = behavior(request, context)
         try:
             async for response in responses:
                 yield response
-        except grpc.aio.AbortError:
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
             raise
-        except Exception as e:  # noqa: BLE001
-            await context.abort(*status_of(e))
+        except grpc.aio.AbortError:
+            code = _aborted_code(context)
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            status = status_of(e)
+            code = status[0].name
+            await context.abort(*status)
         finally:
+            observe(method, code, time.perf_counter() - t0)
             # `async for` does not close what it iterates: without this, a cancelled call's
             # handler (and the KV cache it frees in its finally) waits for the garbage collector.
             await responses.aclose()
 
     return wrapper
+
+
+def _aborted_code(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.grpc_errors import ErrorInterceptor
+from services.common.grpc_errors import ErrorInterceptor, Observe
 
 MAX_MESSAGE_BYTES = 64 << 20  # a dense q is 4 bytes per vocab entry; tokenizers are MBs
 
@@ -25,9 +25,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A server with the interceptor, health (SERVING for "" and every name) and reflection."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+def make_server(service_names: list[str], observe: Observe | None = None
+                ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A server with the interceptor, health (SERVING for "" and every name) and reflection;
+    observe(method, code, seconds) is called as each call ends."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(observe)], options=CHANNEL_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -36,9 +38,10 @@ def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.H
     return server, health_servicer
 
 
-async def start_server(service_name: str, add_servicer, servicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_server(service_name: str, add_servicer, servicer, host: str, port: int,
+                       observe: Observe | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve one servicer with health and reflection; returns the server and its bound port."""
-    server, health_servicer = make_server([service_name])
+    server, health_servicer = make_server([service_name], observe)
     add_servicer(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

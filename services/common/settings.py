@@ -16,8 +16,14 @@ class ServiceSettings(BaseSettings):
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
 
-class ModelSettings(ServiceSettings):
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present)")
+class GrpcServiceSettings(ServiceSettings):
+    metrics_port: int = Field(9100, ge=0, le=65535,
+                              description="port of the Prometheus /metrics endpoint (0: any free port)")
+
+
+class ModelSettings(GrpcServiceSettings):
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | shard (auto: CUDA when present; "
+                                               "shard: layers spread over every visible GPU)")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads (0: torch's default)")
     cache_dir: Path | None = Field(None, validation_alias=AliasChoices("cache_dir", "SPECD_CACHE_DIR"),
@@ -33,6 +39,7 @@ class DraftSettings(ModelSettings):
     model_config = SettingsConfigDict(env_prefix="SPECD_DRAFT_")
 
     port: int = Field(50061, ge=0, le=65535)
+    metrics_port: int = Field(9101, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram)$",
                          description="ngram (no model), early-exit (the target's first layers) or hf")
     target_model: str = Field("embedded", description="the target model: early-exit drafts with its layers")
@@ -46,14 +53,16 @@ class TargetSettings(ModelSettings):
     model_config = SettingsConfigDict(env_prefix="SPECD_TARGET_")
 
     port: int = Field(50062, ge=0, le=65535)
+    metrics_port: int = Field(9102, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a transformers directory")
     max_batch_size: int = Field(8, ge=1, le=256, description="most sessions verified in one forward pass")
 
 
-class CoordinatorSettings(ServiceSettings):
+class CoordinatorSettings(GrpcServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPECD_COORDINATOR_")
 
     port: int = Field(50063, ge=0, le=65535)
+    metrics_port: int = Field(9103, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     target_address: str = Field("127.0.0.1:50062", description="host:port of the target service")
     draft_address: str = Field("127.0.0.1:50061", description="host:port of the draft service ('' = none)")
     overlap: bool = Field(True, description="PEARL: draft the next window while the target verifies")

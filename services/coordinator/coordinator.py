@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common.detok import TextStream
 from services.common.grpc_errors import from_rpc_error
+from services.common.metrics import new_registry
 from services.common.server import channel, check_health
 from services.common.state import AsyncStateStore
 from services.coordinator.api import (
@@ -30,6 +32,7 @@ from services.coordinator.api import (
     TokenEvent,
 )
 from services.coordinator.loop import LoopConfig, RequestLoop
+from services.coordinator.metrics import CoordinatorMetrics
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
@@ -54,8 +57,11 @@ class CoordinatorConfig:
 
 
 class Coordinator:
-    def __init__(self, cfg: CoordinatorConfig, state_store: AsyncStateStore):
+    def __init__(self, cfg: CoordinatorConfig, state_store: AsyncStateStore,
+                 registry: CollectorRegistry | None = None):
         self.cfg, self.state_store = cfg, state_store
+        self.registry = registry or new_registry()  # the Prometheus series of every request
+        self.metrics = CoordinatorMetrics(self.registry)
         self.target_channel = channel(cfg.target_address)
         self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
         self.draft_channel = channel(cfg.draft_address) if cfg.draft_address else None
@@ -110,7 +116,7 @@ class Coordinator:
         return await check_health(self.cfg.target_address)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._generate(request)
+        return self.metrics.metered(self._generate(request), request, self.model_card().id, self.drafter_name)
 
     async def close(self) -> None:
         await self.target_channel.close()
@@ -201,6 +207,8 @@ class Coordinator:
     async def _save_state(self, cfg: LoopConfig, loop: RequestLoop) -> None:
         if loop.policy_state is None or cfg.drafter is None:
             return
+        self.metrics.record_policy_state(self.metrics.labels(self.model_card().id, cfg.spec.policy, cfg.drafter),
+                                         cfg.spec.task_tag, loop.policy_state)
         try:
             await self.state_store.save(self._state_key(cfg, cfg.drafter), loop.policy_state)
         except Unavailable as e:

@@ -57,13 +57,17 @@ class LoopStats(GenerationStats):
     drafted_total: int = 0  # every token the draft service drafted, verified or not
     continuations_kept: int = 0  # drafts past a verified chunk that equalled its bonus token
     batch_sizes: list[int] = field(default_factory=list)
+    target_prefill_s: float = 0.0  # the target's prompt prefill
+    target_decode_s_per_token: float = 0.0  # the target's measured cost of a plain decoding step
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
                 "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
                 "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total,
                 "continuations_kept": self.continuations_kept,
-                "max_verify_batch": max(self.batch_sizes, default=0)}
+                "max_verify_batch": max(self.batch_sizes, default=0),
+                "target_prefill_s": round(self.target_prefill_s, 6),
+                "target_decode_s_per_token": round(self.target_decode_s_per_token, 6)}
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,8 @@ class RequestLoop:
         s = self.stats
         s.verifications += 1
         s.batch_sizes.append(v.batch_size)
+        s.target_prefill_s += v.prefill_seconds
+        s.target_decode_s_per_token = v.decode_seconds_per_token
         if k:
             s.drafted += k
             s.accepted += n

@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.server import run_until_signal, start_server
 from services.common.settings import CoordinatorSettings
 from services.common.state import build_state_store
@@ -25,13 +26,17 @@ def build_coordinator(s: CoordinatorSettings) -> Coordinator:
 async def start(s: CoordinatorSettings, coordinator: Coordinator) -> tuple[grpc.aio.Server, int]:
     await coordinator.connect()
     server, port = await start_server(SERVICE_NAME, coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-                                      CoordinatorServicer(coordinator, s.default_policy), s.host, s.port)
+                                      CoordinatorServicer(coordinator, s.default_policy), s.host, s.port,
+                                      RpcMetrics(coordinator.registry, "coordinator").observe)
     log.info("coordinator listening on %s:%d (target %s, draft %s)", s.host, port, s.target_address,
              s.draft_address or "none")
     return server, port
 
 
 async def serve(s: CoordinatorSettings) -> None:
-    server, port = await start(s, build_coordinator(s))
-    print(f"specd coordinator listening on {s.host}:{port}", flush=True)
+    coordinator = build_coordinator(s)
+    server, port = await start(s, coordinator)
+    _, metrics_port = serve_metrics(coordinator.registry, s.host, s.metrics_port)
+    print(f"specd coordinator listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)",
+          flush=True)
     await run_until_signal(server)

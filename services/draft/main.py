@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from services.common.metrics import serve_metrics
 from services.common.server import run_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
@@ -37,12 +38,14 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
     server, port = await start_server(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer,
-                                      s.host, s.port)
+                                      s.host, s.port, servicer.rpc_metrics.observe)
     log.info("draft service (%s) listening on %s:%d", servicer.drafter.name, s.host, port)
     return server, port
 
 
 async def serve(s: DraftSettings) -> None:
-    server, port = await start(s, build_servicer(s))
-    print(f"specd draft listening on {s.host}:{port}", flush=True)
+    servicer = build_servicer(s)
+    server, port = await start(s, servicer)
+    _, metrics_port = serve_metrics(servicer.registry, s.host, s.metrics_port)
+    print(f"specd draft listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)", flush=True)
     await run_until_signal(server)

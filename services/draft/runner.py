@@ -81,13 +81,14 @@ class _Window:
 class DraftRunner:
     def __init__(self, session: DraftSession, policy: StoppingPolicy, sampling: SamplingParams,
                  prompt: list[int], max_length: int, lookahead: int, send_q: bool,
-                 executor: Executor, publish: Callable[[object], None]):
+                 executor: Executor, publish: Callable[[object], None],
+                 on_step: Callable[[float], None] | None = None):
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this runner's own drafts
         self.prompt_len = len(prompt)
         self.committed = len(prompt)
         self.max_length, self.lookahead, self.send_q = max_length, lookahead, send_q
-        self.executor, self.publish = executor, publish
+        self.executor, self.publish, self.on_step = executor, publish, on_step
         self.epoch = 0
         self.windows: list[_Window] = []  # not yet judged, in sequence order
         self.strict: dict[int, bool] = {}  # position -> accepted by the lossless rule
@@ -117,7 +118,10 @@ class DraftRunner:
             epoch, seq = self.epoch, list(self.seq)
             t0 = time.perf_counter()
             d = await loop.run_in_executor(self.executor, self._next, seq)
-            self.draft_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.draft_seconds += seconds
+            if self.on_step is not None:
+                self.on_step(seconds)
             if epoch != self.epoch or len(self.seq) != len(seq):
                 continue  # a commit changed the sequence meanwhile: this proposal is moot
             self._add(window, d)

@@ -7,10 +7,13 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
+from services.common.metrics import RpcMetrics, new_registry
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
-from services.draft.runner import DraftRunner
+from services.draft.metrics import DraftMetrics
+from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from specd.drafters.base import Drafter
@@ -23,10 +26,19 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None):
+    def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
+                 registry: CollectorRegistry | None = None):
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one compute thread
-        self.active_sessions = 0
+        self.runners: set[DraftRunner] = set()
+        self.registry = registry or new_registry()
+        self.rpc_metrics = RpcMetrics(self.registry, "draft")
+        self.metrics = DraftMetrics(self.registry, drafter.name, lambda: len(self.runners),
+                                    lambda: sum(r.session.nbytes() for r in list(self.runners)))
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self.runners)
 
     async def Info(self, request, context) -> draft_pb2.DraftInfo:
         info = model_info(self.model) if self.model is not None else common_pb2.ModelInfo(name="-")
@@ -40,14 +52,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidRequest("open", "a draft session starts with an Open message")
         out: asyncio.Queue = asyncio.Queue()
         runner = self._runner(first.open, out.put_nowait)
-        self.active_sessions += 1
+        self.runners.add(runner)
         drafting = asyncio.create_task(runner.run())
         reading = asyncio.create_task(_read(requests, runner, out))
         drafting.add_done_callback(lambda task: _forward_failure(task, out))
+        tokens = self.metrics.tokens.labels(self.drafter.name, runner.policy.name)
         try:
             while (event := await out.get()) is not _CLOSE:
                 if isinstance(event, BaseException):
                     raise event
+                if isinstance(event, Token):
+                    tokens.inc()
+                elif isinstance(event, WindowEnd):
+                    self.metrics.windows.labels(self.drafter.name, runner.policy.name, event.reason).inc()
                 yield event_to_proto(event)
             yield draft_pb2.DraftResponse(closed=draft_pb2.DraftClosed(
                 policy_state=runner.policy.state(), num_drafted=runner.num_drafted,
@@ -58,7 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
             self.executor.submit(runner.session.close)
-            self.active_sessions -= 1
+            self.runners.discard(runner)
 
     def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:
         prompt, sampling, spec, state = open_from_proto(msg)
@@ -76,7 +93,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head))
         send_q = msg.send_distributions and self.drafter.has_distribution
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
-                           msg.lookahead, send_q, self.executor, publish)
+                           msg.lookahead, send_q, self.executor, publish, self.metrics.step_s.observe)
 
 
 async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:

@@ -25,6 +25,7 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -203,14 +204,15 @@ class EventStream(StreamingResponse):
 # -- the app ----------------------------------------------------------------------------------
 
 def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "heuristic",
-               api_keys: frozenset[str] = frozenset()) -> FastAPI:
+               api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None) -> FastAPI:
     """The gateway over `backend`. With api_keys, /v1 routes need `Authorization: Bearer <key>`;
-    /health and /metrics stay open for probes and Prometheus."""
+    /health and /metrics stay open for probes and Prometheus. /metrics serves `registry` (an
+    in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,
                   description="OpenAI-compatible API over speculative decoding. Per-request speculation "
                               "settings go in the `speculative` body field; each response carries "
                               "`spec_stats` beside `usage` (in the final chunk when streaming).")
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(registry)
     app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, frozenset(api_keys), metrics,
                                 int(time.time()))
     app.include_router(v1)

@@ -1,28 +1,45 @@
-"""Prometheus series of the gateway, on a registry of its own per app (so that several apps
-in one process, as in tests, do not collide).
+"""Prometheus series of the gateway, served at its /metrics, on a registry of its own per app
+(so that several apps in one process, as in tests, do not collide). When the gateway runs the
+coordinator in-process, the coordinator's series (services.coordinator.metrics) are on the
+same registry.
 
-Request rate by route and status, e.g. the error ratio:
+  specd_gateway_requests_total{route, status}     HTTP requests by route template and status
+  specd_gateway_request_duration_seconds{route}   until the response (or the stream) ended
+  specd_active_sessions{service="gateway"}        HTTP requests in progress
+
+PromQL: the error ratio, and p95 latency per route
   sum(rate(specd_gateway_requests_total{status=~"5.."}[5m])) / sum(rate(specd_gateway_requests_total[5m]))
+  histogram_quantile(0.95, sum by (le, route) (rate(specd_gateway_request_duration_seconds_bucket[5m])))
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Histogram,
     generate_latest,
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.common.metrics import LATENCY_BUCKETS, active_sessions, new_registry
 
 UNMATCHED = "unmatched"  # route label of requests no route matched (bounded cardinality)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        self.active = 0
         self.requests = Counter("specd_gateway_requests", "HTTP requests by route template and status",
                                 ["route", "status"], registry=self.registry)
+        self.duration = Histogram("specd_gateway_request_duration_seconds",
+                                  "HTTP request duration until the response ended", ["route"],
+                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        active_sessions(self.registry, "gateway", lambda: self.active)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -31,8 +48,8 @@ class GatewayMetrics:
 
 class RequestCounter:
     """ASGI middleware counting each HTTP request once its status is known (a stream counts
-    when its headers go out). Pure ASGI, not BaseHTTPMiddleware, so that streaming responses
-    and client disconnects pass through untouched."""
+    when its headers go out) and timing it until it ends. Pure ASGI, not BaseHTTPMiddleware,
+    so that streaming responses and client disconnects pass through untouched."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics):
         self.app = app
@@ -43,21 +60,28 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         counted = False
+        start = time.perf_counter()
+
+        def route() -> str:
+            return getattr(scope.get("route"), "path", UNMATCHED)
 
         def count(status: int) -> None:
             nonlocal counted
             if not counted:
                 counted = True
-                route = getattr(scope.get("route"), "path", UNMATCHED)
-                self.metrics.requests.labels(route, str(status)).inc()
+                self.metrics.requests.labels(route(), str(status)).inc()
 
         async def send_counting(message: Message) -> None:
             if message["type"] == "http.response.start":
                 count(message["status"])
             await send(message)
 
+        self.metrics.active += 1
         try:
             await self.app(scope, receive, send_counting)
         except Exception:
             count(500)  # the outermost error middleware turns it into a 500
             raise
+        finally:
+            self.metrics.active -= 1
+            self.metrics.duration.labels(route()).observe(time.perf_counter() - start)

@@ -35,11 +35,25 @@ class BatchInfo:
     batch_size: int
 
 
+class DecodeCost:
+    """The seconds of one plain decoding step (one session, one new token): an exponential
+    moving average over such forwards while serving, seeded by a start-up measurement."""
+
+    def __init__(self, seconds: float = 0.0, alpha: float = 0.1):
+        self.seconds, self.alpha = seconds, alpha
+
+    def observe(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds <= 0 else self.seconds + self.alpha * (seconds - self.seconds)
+
+
 class VerifyBatcher:
-    def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8):
+    def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
+                 on_batch: Callable[[int], None] | None = None):
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
+        self.on_batch = on_batch  # called with each forward's batch size
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.last_batch_size = 0
+        self.decode_cost = DecodeCost()
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession, ids: list[int], num_logits: int,
@@ -61,6 +75,8 @@ class VerifyBatcher:
             if not jobs:
                 continue
             self.last_batch_size = len(jobs)
+            if self.on_batch is not None:
+                self.on_batch(len(jobs))
             try:
                 results = await loop.run_in_executor(self.executor, self._forward, jobs)
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error
@@ -77,6 +93,8 @@ class VerifyBatcher:
         logits = batched_extend(self.model, [j.session for j in jobs], [j.ids for j in jobs],
                                 [j.num_logits for j in jobs])
         info = BatchInfo(time.perf_counter() - t0, len(jobs))
+        if len(jobs) == 1 and len(jobs[0].ids) == 1:
+            self.decode_cost.observe(info.forward_seconds)
         return [(j.then(lg), info) for j, lg in zip(jobs, logits)]
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from services.common.metrics import serve_metrics
 from services.common.server import run_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
@@ -27,7 +28,7 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
     server, port = await start_server(SERVICE_NAME, target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
-                                      s.host, s.port)
+                                      s.host, s.port, servicer.rpc_metrics.observe)
     log.info("target service (%s) listening on %s:%d", servicer.target.name, s.host, port)
     return server, port
 
@@ -35,6 +36,7 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 async def serve(s: TargetSettings) -> None:
     servicer = build_servicer(s)
     server, port = await start(s, servicer)
-    print(f"specd target listening on {s.host}:{port}", flush=True)
+    _, metrics_port = serve_metrics(servicer.registry, s.host, s.metrics_port)
+    print(f"specd target listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)", flush=True)
     await run_until_signal(server)
     servicer.close()

@@ -5,20 +5,25 @@ batching of concurrent sessions is services.target.batcher."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 
 from services.common.convert import (
     distribution_from_proto,
     model_info,
     sampling_from_proto,
 )
+from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.batcher import VerifyBatcher
+from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
@@ -27,12 +32,24 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, target: LoadedModel, max_batch_size: int = 8):
+    def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None):
         self.target = target
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")  # one model, one compute thread
-        self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size)
+        self.sessions: set[TargetSession] = set()
+        self.registry = registry or new_registry()
+        self.rpc_metrics = RpcMetrics(self.registry, "target")
+        self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
+                                     lambda: self.batcher.decode_cost.seconds)
+        self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch)
         self.max_batch_size = max_batch_size
-        self.active_sessions = 0
+        self.batcher.decode_cost.observe(measure_decode_step(target))
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self.sessions)
+
+    def _kv_bytes(self) -> int:
+        return sum(s.kv.nbytes() for s in list(self.sessions))
 
     def close(self) -> None:
         """Stop the batching worker (on the server's event loop, after the server stopped)."""
@@ -56,22 +73,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         session = TargetSession(self.target, list(first.open.prompt_ids), sampling_from_proto(first.open.sampling))
-        self.active_sessions += 1
+        self.sessions.add(session)
         try:
+            t0 = time.perf_counter()
             await loop.run_in_executor(self.executor, session.prefill)
+            prefill_s = time.perf_counter() - t0
             async for msg in stream:
                 kind = msg.WhichOneof("kind")
                 if kind == "close":
                     break
                 if kind != "verify":
                     raise InvalidRequest(kind or "kind", "expected verify or close after open")
-                yield await self._verify(session, msg.verify)
+                reply = await self._verify(session, msg.verify)
+                reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
+                yield reply
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
             self.executor.submit(session.close)
-            self.active_sessions -= 1
+            self.sessions.discard(session)
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         drafts = list(msg.tokens)
@@ -83,10 +104,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         verdict, batch = await self.batcher.submit(
             session.kv, ids, len(drafts) + 1,
             lambda logits: session.verify(logits, drafts, q, threshold, msg.relaxed))
+        self.metrics.observe_verify(len(drafts), batch.forward_seconds)
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
-            forward_seconds=batch.forward_seconds, batch_size=batch.batch_size))
+            forward_seconds=batch.forward_seconds, batch_size=batch.batch_size,
+            decode_seconds_per_token=self.batcher.decode_cost.seconds))
 
     def _distributions(self, session: TargetSession, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""
@@ -105,3 +128,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                 for d in msg.distributions])
         except ValueError as e:
             raise InvalidRequest("distributions", str(e)) from None
+
+
+def measure_decode_step(target: LoadedModel, prompt_len: int = 32, steps: int = 9) -> float:
+    """Median seconds of a plain decoding step after a short prompt: the start-up value of the
+    decode cost, before serving refines it."""
+    kv = target.session()
+    try:
+        kv.extend([i % target.vocab_size for i in range(prompt_len)], 1)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            kv.extend([i % target.vocab_size], 1)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        kv.close()

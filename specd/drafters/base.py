@@ -40,6 +40,10 @@ class DraftSession(ABC):
     def close(self) -> None:
         """Free per-request memory."""
 
+    def nbytes(self) -> int:
+        """Bytes of per-request cache held (KV caches; 0 for drafters without one)."""
+        return 0
+
 
 class Drafter(ABC):
     kind: ClassVar[str]
@@ -86,6 +90,9 @@ class ModelDraftSession(DraftSession):
 
     def close(self) -> None:
         self.kv.close()
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes()
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -58,13 +58,18 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
+SHARD = "shard"  # one process, the model's layers spread over every visible GPU (device_map="auto")
+
+
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
+    """The device inputs go to. "shard" places the layers over all visible GPUs (inputs on
+    the first), or on the CPU when there is none."""
+    if device in ("auto", SHARD):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise InvalidRequest("device", f"unknown device {device!r} (auto, cpu, cuda, cuda:N)") from None
+        raise InvalidRequest("device", f"unknown device {device!r} (auto, cpu, cuda, cuda:N, shard)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("device", "CUDA was asked for but no GPU is available")
     return dev
@@ -81,7 +86,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None) -> LoadedModel:
-    """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory."""
+    """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
+    device "shard" splits the layers over every visible GPU with accelerate's
+    device_map="auto" (pipeline placement in one process: a model too big for one GPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -95,7 +102,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
                              "(no config.json); nothing is downloaded at run time")
         name = path.resolve().name
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(dev)
+        if device == SHARD:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                         device_map="auto")
+            dev = model.get_input_embeddings().weight.device
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(dev)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()

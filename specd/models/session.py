@@ -53,6 +53,18 @@ class KVSession:
             self.cache.crop(length - self.length)
             self.length = length
 
+    def nbytes(self) -> int:
+        """Bytes held by the cached keys and values (0 once closed)."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        total = 0
+        for layer in list(getattr(cache, "layers", ())):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
     def close(self) -> None:
         """Free the cache now rather than when the session object is collected."""
         self.cache = None

@@ -1,163 +1,24 @@
 """The four real service processes (`specd serve target|draft|coordinator|gateway`) on
 loopback, driven over HTTP like a user would: greedy answers through gateway -> coordinator
--> draft/target equal the embedded model's own target-only decoding, a draft service killed
-mid-stream falls back to the target without changing the answer (and is used again once
-restarted on the same port), and the openai SDK parses the gateway's stream."""
+-> draft/target equal the embedded model's own target-only decoding, every process exports
+its Prometheus series with consistent values, a draft service killed mid-stream falls back
+to the target without changing the answer (and is used again once restarted on the same
+port), and the openai SDK parses the gateway's stream. The stack itself is
+tests/integration/conftest.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from specd.engine import SpeculativeEngine
-from specd.types import SamplingParams, SpecParams
+from tests.integration.conftest import HTTP_TIMEOUT_S, MAX_TOKENS, MESSAGES, Stack
 
 pytestmark = pytest.mark.embedded
-
-QUESTION = "Explain in simple terms how a hash map works."
-MESSAGES = [{"role": "user", "content": QUESTION}]
-STARTUP_TIMEOUT_S = 300.0
-HTTP_TIMEOUT_S = 120.0
-MAX_TOKENS = 64  # the longest request; the reference is decoded once, this long
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _grpc_healthy(port: int) -> bool:
-    from services.common.server import check_health
-
-    return asyncio.run(check_health(f"127.0.0.1:{port}"))
-
-
-def _http_healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class Stack:
-    """The four processes; `procs` by service name, the draft's handle replaceable."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.ports = {name: _free_port() for name in ("target", "draft", "coordinator", "gateway")}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.flags = {
-            "target": ["--model", "embedded", "--threads", "1"],
-            "draft": ["--drafter", "ngram"],
-            "coordinator": ["--target-address", self.address("target"),
-                            "--draft-address", self.address("draft"), "--overlap", "true",
-                            "--default-policy", "heuristic"],
-            "gateway": ["--coordinator-address", self.address("coordinator")],
-        }
-        self.starts = dict.fromkeys(self.ports, 0)
-
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['gateway']}"
-
-    @property
-    def draft(self) -> subprocess.Popen:
-        return self.procs["draft"]
-
-    def log_path(self, name: str) -> Path:
-        return self.log_dir / f"{name}-{self.starts[name]}.log"
-
-    def start(self, name: str) -> None:
-        self.starts[name] += 1
-        argv = [sys.executable, "-m", "specd", "serve", name, "--port", str(self.ports[name]), *self.flags[name]]
-        with open(self.log_path(name), "w") as log:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                                start_new_session=True)
-
-    def tail(self, name: str, chars: int = 3000) -> str:
-        try:
-            return self.log_path(name).read_text(errors="replace")[-chars:]
-        except OSError as e:
-            return f"(no log: {e})"
-
-    def wait_healthy(self, name: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        probe = _http_healthy if name == "gateway" else _grpc_healthy
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                pytest.fail(f"{name} exited with status {proc.returncode} before passing its health check; "
-                            f"log {self.log_path(name)}:\n{self.tail(name)}", pytrace=False)
-            if probe(self.ports[name]):
-                return
-            time.sleep(0.25)
-        pytest.fail(f"{name} did not pass its health check within {timeout_s:.0f} s; "
-                    f"log {self.log_path(name)}:\n{self.tail(name)}", pytrace=False)
-
-    def stop(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-    def stop_all(self) -> None:
-        for name in ("gateway", "coordinator", "draft", "target"):
-            self.stop(name)
-
-
-@pytest.fixture(scope="module")
-def reference(embedded):
-    """Target-only greedy decoding in-process: n -> (token ids, text) of the first n tokens.
-    One decoding of MAX_TOKENS serves every n: greedy decoding of n tokens is the first n
-    tokens of a longer greedy decoding (or all of it, when it stopped at EOS earlier)."""
-    prompt = embedded.encode_prompt(QUESTION, chat=True)
-    ids = SpeculativeEngine(embedded).generate(prompt, SamplingParams(max_new_tokens=MAX_TOKENS),
-                                               SpecParams("none")).token_ids
-    ids = list(ids)
-
-    def run(n: int) -> tuple[list[int], str]:
-        assert n <= MAX_TOKENS
-        return ids[:n], embedded.decode(ids[:n])
-
-    return run
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, request):
-    s = Stack(tmp_path_factory.mktemp("stack-logs"))
-    try:
-        s.start("target")  # loads the model: start it first, the draft meanwhile
-        s.start("draft")
-        request.getfixturevalue("reference")  # decode the reference while the target loads
-        s.wait_healthy("draft")
-        s.wait_healthy("target")
-        s.start("coordinator")  # connects to the target (and describes the draft) at start-up
-        s.wait_healthy("coordinator")
-        s.start("gateway")
-        s.wait_healthy("gateway")
-        yield s
-    finally:
-        s.stop_all()
 
 
 def _chat(stack: Stack, max_tokens: int, **speculative) -> dict:
@@ -204,7 +65,72 @@ def test_greedy_through_the_stack_equals_target_only_decoding(stack, reference):
     assert plain["spec_stats"]["verifications"] == len(want_ids)
 
 
-# -- 2. the draft service dies mid-stream -----------------------------------------------------
+# -- 2. every process exports its Prometheus series ---------------------------------------------
+
+def scrape(url: str) -> dict[str, list]:
+    """name -> samples of one /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(url, timeout=10)
+    assert reply.status_code == 200, url
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(samples: dict[str, list], name: str, **labels) -> float:
+    assert name in samples, f"{name} is not exported"
+    return sum(s.value for s in samples[name] if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_every_process_exports_consistent_metrics(stack):
+    for policy in ("heuristic", "constant"):
+        _chat(stack, 24, policy=policy, task_tag="metrics-test")
+    _chat(stack, 8, enabled=False)
+    coord, draft = scrape(stack.metrics_url("coordinator")), scrape(stack.metrics_url("draft"))
+    target, gateway = scrape(stack.metrics_url("target")), scrape(stack.metrics_url("gateway"))
+
+    for policy in ("heuristic", "constant"):
+        drafted = value(coord, "specd_drafted_tokens_total", policy=policy)
+        accepted = value(coord, "specd_accepted_tokens_total", policy=policy)
+        verifications = value(coord, "specd_verifications_total", policy=policy)
+        emitted = value(coord, "specd_emitted_tokens_total", policy=policy)
+        assert 0 <= accepted <= drafted, policy
+        assert verifications > 0 and emitted <= accepted + verifications, policy  # an EOS may cut a run
+        assert value(coord, "specd_accepted_tokens_by_position_total", policy=policy) == accepted, policy
+        assert value(coord, "specd_drafted_tokens_by_position_total", policy=policy) == drafted, policy
+        assert value(coord, "specd_draft_length_tokens_sum", policy=policy) == drafted, policy
+        assert value(coord, "specd_accepted_length_tokens_count", policy=policy) > 0, policy
+        assert value(coord, "specd_requests_total", policy=policy, status="ok") >= 1, policy
+        assert value(coord, "specd_fallbacks_total", policy=policy) == 0, policy
+        assert value(coord, "specd_time_to_first_token_seconds_count", policy=policy) >= 1, policy
+        assert value(coord, "specd_target_only_seconds_total", policy=policy) > 0, policy
+        assert value(coord, "specd_generation_seconds_total", policy=policy) > 0, policy
+    assert value(coord, "specd_verifications_total", policy="none") == value(coord, "specd_emitted_tokens_total",
+                                                                             policy="none")
+    assert value(coord, "specd_inter_token_latency_seconds_count") > 0
+    assert value(coord, "specd_request_duration_seconds_count") >= 3
+    assert value(coord, "specd_policy_state", policy="heuristic", task_tag="metrics-test", key="k") >= 1
+    assert value(coord, "specd_grpc_requests_total", service="coordinator", method="Generate", code="OK") >= 3
+
+    assert value(draft, "specd_draft_tokens_total") >= value(coord, "specd_drafted_tokens_total")
+    assert value(draft, "specd_draft_step_seconds_count") >= value(draft, "specd_draft_tokens_total")
+    assert value(draft, "specd_draft_windows_total") > 0
+    assert value(target, "specd_verify_seconds_count") >= value(coord, "specd_verifications_total")
+    assert 0 < value(target, "specd_target_decode_seconds_per_token") < 10
+    assert value(target, "specd_verify_batch_size_count") > 0
+    assert value(target, "specd_verify_last_batch_size") >= 1
+    for samples, service in ((draft, "draft"), (target, "target"), (coord, "coordinator")):
+        assert value(samples, "specd_active_sessions", service=service) == 0, service
+        assert value(samples, "process_resident_memory_bytes") > 0, service
+    assert value(target, "specd_kv_cache_bytes", service="target") == 0
+    assert value(gateway, "specd_gateway_requests_total", route="/v1/chat/completions", status="200") >= 3
+    assert value(gateway, "specd_gateway_request_duration_seconds_count", route="/v1/chat/completions") >= 3
+
+
+# -- 3. the draft service dies mid-stream -----------------------------------------------------
 
 def _stream_killing_draft(stack: Stack, max_tokens: int) -> tuple[str, dict | None, bool]:
     """Stream one greedy answer, SIGKILLing the draft after the first content chunk:
@@ -273,7 +199,7 @@ def test_draft_killed_mid_stream_falls_back_then_is_used_again(stack, reference)
     assert stack.draft.poll() is None
 
 
-# -- 3. the openai SDK over the real stream ---------------------------------------------------
+# -- 4. the openai SDK over the real stream ---------------------------------------------------
 
 def test_openai_sdk_streams_with_spec_stats(stack, reference):
     from openai import OpenAI

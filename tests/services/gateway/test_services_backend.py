@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 
+from services.common.metrics import new_registry
 from services.common.state import AsyncMemoryStateStore
 from services.coordinator.coordinator import Coordinator, CoordinatorConfig
 from services.gateway import create_app
@@ -33,10 +34,11 @@ def services_gateway(target_service, hf_draft_service):
     """Base URL of a gateway served by uvicorn on its own event loop (its own thread), with the
     Coordinator built and connected on that loop: grpc.aio channels belong to one loop."""
     loop = LoopThread()
+    registry = new_registry()  # shared by the coordinator and the app, as `specd serve gateway` does
 
     async def connect() -> Coordinator:
         coordinator = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
-                                  AsyncMemoryStateStore())
+                                  AsyncMemoryStateStore(), registry)
         await coordinator.connect()
         return coordinator
 
@@ -44,7 +46,7 @@ def services_gateway(target_service, hf_draft_service):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(coordinator), log_level="warning", lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(create_app(coordinator, registry=registry), log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=2))
     serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)
     deadline = time.monotonic() + 20
@@ -130,3 +132,25 @@ def test_openai_sdk_parses_both_answers(services_gateway, expected_text):
     final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
     assert final.choices[0].finish_reason == plain.choices[0].finish_reason
     _check_stats(final.model_extra["spec_stats"], "heuristic", True)
+
+
+def test_metrics_show_the_in_process_coordinator(http):
+    """/metrics of a gateway running the coordinator in-process carries the coordinator's
+    speculation series beside the gateway's own."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"model": "specd", "messages": MESSAGES, "max_tokens": N, "temperature": 0,
+            "speculative": {"policy": "constant", "overlap": False}}
+    assert http.post(CHAT, json=body).status_code == 200
+    samples = [s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples]
+
+    def value(name: str, **labels) -> float:
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("specd_requests_total", policy="constant", status="ok") >= 1
+    assert 0 < value("specd_accepted_tokens_total", policy="constant") <= value("specd_drafted_tokens_total",
+                                                                                   policy="constant")
+    assert value("specd_gateway_requests_total", route=CHAT, status="200") >= 1
+    assert value("specd_gateway_request_duration_seconds_count", route=CHAT) >= 1
+    assert value("specd_active_sessions", service="gateway") == 1  # the /metrics request itself
+    assert value("specd_active_sessions", service="coordinator") == 0

@@ -47,3 +47,20 @@ def test_device_and_dtype_resolution():
         resolve_device("quantum")
     with pytest.raises(InvalidRequest):
         resolve_dtype("int3", resolve_device("cpu"))
+
+
+def test_shard_places_the_model_with_accelerate(tiny_dirs, tiny_target):
+    """device "shard" loads through device_map="auto" (every visible GPU; the CPU here, where
+    it must give exactly the plain load's logits)."""
+    import torch
+
+    plain = load_model(str(tiny_dirs[0]), device="cpu")
+    sharded = load_model(str(tiny_dirs[0]), device="shard")
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert sharded.device.type == want
+    ids = [5, 6, 7, 8]
+    with torch.inference_mode():
+        a = plain.model(torch.tensor([ids])).logits
+        b = sharded.model(torch.tensor([ids], device=sharded.device)).logits.to(a.device, a.dtype)
+    if want == "cpu":
+        assert torch.equal(a, b)

@@ -75,7 +75,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class Verified(_message.Message):
     JS_DISTANCES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -90,7 +92,9 @@ class Verified(_message.Message):
     js_distances: _containers.RepeatedScalarFieldContainer[float]
     forward_seconds: float
     batch_size: int
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    decode_seconds_per_token: float
+    prefill_seconds: float
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
     __slots__ = ()

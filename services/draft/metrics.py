@@ -1,0 +1,38 @@
+"""Prometheus series of the draft service (exported on its metrics port), labelled by
+`drafter` (the drafter's name, e.g. "ngram" or "early-exit-4"):
+
+  specd_draft_step_seconds                histogram: seconds to draft one token (one forward pass
+                                          of the draft model; a lookup for ngram)
+  specd_draft_tokens_total{policy}        every token drafted, verified or not (PEARL drafts ahead,
+                                          so some are discarded unverified)
+  specd_draft_windows_total{policy, reason}
+                                          windows ended, by why: policy (the stopping policy said
+                                          stop), cap (max_draft_tokens), no_proposal, length
+  specd_active_sessions{service="draft"}, specd_kv_cache_bytes{service="draft"}
+
+PromQL: draft tokens per second, and the share of windows the policy ended itself
+  sum(rate(specd_draft_tokens_total[5m]))
+  sum(rate(specd_draft_windows_total{reason="policy"}[5m])) / sum(rate(specd_draft_windows_total[5m]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import STEP_BUCKETS, active_sessions, kv_cache_bytes
+
+
+class DraftMetrics:
+    def __init__(self, registry: CollectorRegistry, drafter: str, sessions: Callable[[], int] = lambda: 0,
+                 kv_bytes: Callable[[], int] = lambda: 0):
+        self.registry, self.drafter = registry, drafter
+        active_sessions(registry, "draft", sessions)
+        kv_cache_bytes(registry, "draft", kv_bytes)
+        self.step_s = Histogram("specd_draft_step_seconds", "seconds to draft one token", ["drafter"],
+                                buckets=STEP_BUCKETS, registry=registry).labels(drafter)
+        self.tokens = Counter("specd_draft_tokens", "tokens drafted, verified or not", ["drafter", "policy"],
+                              registry=registry)
+        self.windows = Counter("specd_draft_windows", "draft windows ended, by reason",
+                               ["drafter", "policy", "reason"], registry=registry)

@@ -1,0 +1,57 @@
+"""Prometheus series of the target service (exported on its metrics port), labelled by
+`model`:
+
+  specd_verify_seconds{window}            histogram: forward-pass seconds of a verification, by its
+                                          number of draft tokens ("0" is a plain decoding step;
+                                          above 16, "17+"); a batched forward counts for each session
+  specd_verify_batch_size                 histogram: sessions per verification forward pass
+  specd_verify_last_batch_size            gauge: sessions in the latest forward pass
+  specd_target_decode_seconds_per_token   gauge: the measured cost of one plain decoding step (one
+                                          session, one token), measured at start-up and kept current
+                                          while serving; coordinators price target-only decoding
+                                          with it (specd_target_only_seconds_total)
+  specd_active_sessions{service="target"}, specd_kv_cache_bytes{service="target"}
+
+PromQL: p95 verify latency by window size
+  histogram_quantile(0.95, sum by (le, window) (rate(specd_verify_seconds_bucket[5m])))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from services.common.metrics import (
+    MAX_LABELLED_WINDOW,
+    STEP_BUCKETS,
+    active_sessions,
+    count_label,
+    kv_cache_bytes,
+)
+
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
+
+
+class TargetMetrics:
+    def __init__(self, registry: CollectorRegistry, model: str, sessions: Callable[[], int] = lambda: 0,
+                 kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0):
+        self.registry, self.model = registry, model
+        active_sessions(registry, "target", sessions)
+        kv_cache_bytes(registry, "target", kv_bytes)
+        self.verify_s = Histogram("specd_verify_seconds", "verification forward seconds by draft tokens",
+                                  ["model", "window"], buckets=STEP_BUCKETS, registry=registry)
+        self.batch_size = Histogram("specd_verify_batch_size", "sessions per verification forward",
+                                    ["model"], buckets=BATCH_BUCKETS, registry=registry)
+        self.last_batch = Gauge("specd_verify_last_batch_size", "sessions in the latest forward", ["model"],
+                                registry=registry)
+        cost = Gauge("specd_target_decode_seconds_per_token", "measured seconds of one plain decoding step",
+                     ["model"], registry=registry)
+        cost.labels(model).set_function(decode_cost)
+
+    def observe_verify(self, num_drafts: int, forward_seconds: float) -> None:
+        self.verify_s.labels(self.model, count_label(num_drafts, MAX_LABELLED_WINDOW)).observe(forward_seconds)
+
+    def observe_batch(self, batch_size: int) -> None:
+        self.batch_size.labels(self.model).observe(batch_size)
+        self.last_batch.labels(self.model).set(batch_size)
