@@ -18,6 +18,9 @@ Counters (cumulative):
                                           tokens: the target's prefill time plus emitted tokens times
                                           its measured per-token decode cost (kept current by the
                                           target service, services.target.metrics)
+  specd_draft_wait_seconds_total          of the generation seconds, those spent waiting on the draft
+                                          alone (nothing to verify yet)
+  specd_verify_wait_seconds_total         ... and those with a verification in flight
 Histograms:
   specd_draft_length_tokens               draft tokens per verification
   specd_accepted_length_tokens            accepted tokens per verification
@@ -42,6 +45,7 @@ PromQL (5-minute windows; add `by (policy, drafter)` inside each sum to split):
   p95 TTFT               histogram_quantile(0.95, sum by (le) (rate(specd_time_to_first_token_seconds_bucket[5m])))
   p95 inter-token        histogram_quantile(0.95, sum by (le) (rate(specd_inter_token_latency_seconds_bucket[5m])))
   fallback ratio         sum(rate(specd_fallbacks_total[5m])) / sum(rate(specd_requests_total[5m]))
+  draft-bound share      sum(rate(specd_draft_wait_seconds_total[5m])) / sum(rate(specd_generation_seconds_total[5m]))
 
 Speedup is a per-request latency ratio: under concurrent load both sides are per-request
 seconds, so it says how much sooner each answer arrives, not how many more requests fit.
@@ -95,6 +99,8 @@ class CoordinatorMetrics:
         self.generation_s = counter("specd_generation_seconds", "wall seconds requests took")
         self.target_only_s = counter("specd_target_only_seconds",
                                      "seconds target-only decoding would have taken for the same tokens")
+        self.draft_wait_s = counter("specd_draft_wait_seconds", "seconds requests waited on the draft alone")
+        self.verify_wait_s = counter("specd_verify_wait_seconds", "seconds requests had a verification in flight")
         self.draft_length = histogram("specd_draft_length_tokens", "draft tokens per verification", TOKEN_BUCKETS)
         self.accepted_length = histogram("specd_accepted_length_tokens", "accepted tokens per verification",
                                          TOKEN_BUCKETS)
@@ -165,6 +171,8 @@ class CoordinatorMetrics:
         self.verifications.labels(*labels).inc(s.get("verifications", 0))
         # Created at 0 on the first request, so that a fallback ratio reads 0, not "no data".
         self.fallbacks.labels(*labels).inc(1 if s.get("fallback") else 0)
+        self.draft_wait_s.labels(*labels).inc(s.get("draft_wait_s", 0.0))
+        self.verify_wait_s.labels(*labels).inc(s.get("verify_wait_s", 0.0))
         decode_s = s.get("target_decode_s_per_token")
         if decode_s:
             self.target_only_s.labels(*labels).inc(s.get("target_prefill_s", 0.0) + emitted * decode_s)

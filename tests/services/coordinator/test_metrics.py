@@ -162,6 +162,9 @@ def test_speedup_series_prices_the_target_alone(served):
         target_only = total(registry, "specd_target_only_seconds_total", policy=policy)
         assert generation > 0 and target_only > 0, policy
         assert total(registry, "specd_request_duration_seconds_sum", policy=policy) == pytest.approx(generation)
+        waits = (total(registry, "specd_draft_wait_seconds_total", policy=policy)
+                 + total(registry, "specd_verify_wait_seconds_total", policy=policy))
+        assert 0 < waits <= generation, policy
 
 
 def test_policy_state_gauge_follows_the_task_tag(served):
