@@ -188,10 +188,27 @@ class DraftRunner:
             self.epoch += 1
         if len(self.seq) <= nxt:
             self.seq.append(c.tokens[-1])
+            if not has_draft:
+                # Verification overtook the drafting (PEARL pre-verify): its last token is
+                # committed where the open window's next draft would have gone. That window
+                # ends here and the next draft starts a new one (a window's tokens are
+                # contiguous positions). After a rollback, judging drops the window instead.
+                self._cut_open_window(nxt)
         self.committed = nxt + 1
         self.publish(Ack(c.commit_id, self.epoch))
         self._judge_windows()
         self.wake.set()
+
+    def _cut_open_window(self, at: int) -> None:
+        """End the window being drafted at position `at` (now committed), without a WindowEnd:
+        the coordinator is past it already. An empty one is dropped."""
+        if self.windows and not self.windows[-1].ended:
+            window = self.windows[-1]
+            if window.tokens:
+                assert window.end == at, (window.start, len(window.tokens), at)
+                window.ended = True
+            else:
+                self.windows.pop()
 
     def _judge_windows(self) -> None:
         """Feed each judged window back to the policy; forget windows past a rollback."""

@@ -56,6 +56,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         drafting = asyncio.create_task(runner.run())
         reading = asyncio.create_task(_read(requests, runner, out))
         drafting.add_done_callback(lambda task: _forward_failure(task, out))
+        reading.add_done_callback(lambda task: _forward_failure(task, out))  # a bad commit ends the session
         tokens = self.metrics.tokens.labels(self.drafter.name, runner.policy.name)
         try:
             while (event := await out.get()) is not _CLOSE:
@@ -111,6 +112,7 @@ async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:
 
 
 def _forward_failure(task: asyncio.Task, out: asyncio.Queue) -> None:
-    """A drafting error ends the stream with that error (the interceptor maps it)."""
+    """An error drafting or applying a commit ends the stream with that error (the
+    interceptor maps it), so the coordinator falls back at once instead of waiting."""
     if not task.cancelled() and task.exception() is not None:
         out.put_nowait(task.exception())

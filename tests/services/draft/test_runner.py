@@ -1,0 +1,154 @@
+"""The draft runner's window bookkeeping with commits arriving while a forward pass is in
+flight (as under PEARL, where the coordinator verifies a window's first tokens while the
+rest is drafted): windows stay aligned with the sequence and are judged, so drafting never
+waits for a verdict that cannot come."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor, Future
+
+from services.draft.runner import Ack, Commit, DraftRunner, Token, WindowEnd
+from specd.drafters.base import DraftSession, DraftToken
+from specd.policies import build_policy
+from specd.types import SamplingParams
+
+PROMPT = [1, 2, 3]
+
+
+def draft_of(position: int) -> int:
+    return 100 + position  # the fake drafter's guess for a position
+
+
+class FakeSession(DraftSession):
+    def next(self, seq, params, generator, want_hidden):
+        return DraftToken(draft_of(len(seq)), None, 1.0, 1.0, 0.0)
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+class ManualExecutor(Executor):
+    """Runs a submitted forward only when the test says so."""
+
+    def __init__(self):
+        self.pending: list[tuple[Future, object, tuple]] = []
+
+    def submit(self, fn, *args, **kwargs):
+        future: Future = Future()
+        self.pending.append((future, fn, args))
+        return future
+
+    def step(self) -> None:
+        future, fn, args = self.pending.pop(0)
+        future.set_result(fn(*args))
+
+
+def aligned(runner: DraftRunner) -> bool:
+    """Each window's i-th token sits at position start + i of the runner's sequence."""
+    return all(runner.seq[w.start + i] == t for w in runner.windows for i, t in enumerate(w.tokens))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_commit_overtaking_the_open_window_ends_it():
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        policy = build_policy("constant", {"k": 5}, {})
+        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=2,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        executor.step()  # drafts position 3
+        await settle()
+        assert [e.position for e in events if isinstance(e, Token)] == [3]
+        assert len(executor.pending) == 1  # position 4 is being drafted
+
+        # The coordinator verified [draft 3] alone (pre-verify): accepted, then its own token
+        # at 4, which the drafter has not reached yet.
+        runner.commit(Commit(1, (draft_of(3), 999), num_verified=1, num_strict=1))
+        assert events[-1] == Ack(1, 0)  # nothing rolled back
+        assert runner.seq == [*PROMPT, draft_of(3), 999]
+        assert aligned(runner)
+        executor.step()  # the proposal for position 4 is moot now
+        await settle()
+        executor.step()  # drafts position 5: the first token of a new window
+        await settle()
+        assert aligned(runner)
+        assert [w.start for w in runner.windows] == [5]
+        assert [e.position for e in events if isinstance(e, Token)] == [3, 5]
+
+        # Draft the rest of that window and the next (lookahead 2), then verify them all.
+        while len(executor.pending) and len(runner.seq) < 5 + 10:
+            executor.step()
+            await settle()
+        ends = [e for e in events if isinstance(e, WindowEnd)]
+        assert [(e.start, e.end) for e in ends] == [(5, 10), (10, 15)]
+        assert not executor.pending  # lookahead reached: waiting for a verdict
+        runner.commit(Commit(2, tuple(draft_of(p) for p in range(5, 10)) + (draft_of(10),), num_verified=5,
+                             num_strict=5))
+        runner.commit(Commit(3, tuple(draft_of(p) for p in range(11, 15)) + (7,), num_verified=4, num_strict=4))
+        # Every window was judged and forgotten: drafting goes on after the committed tokens.
+        assert runner.windows == []
+        await settle()
+        assert executor.pending, "the runner waits for a verdict that will never come"
+        assert [w.start for w in runner.windows] == [16]
+        task.cancel()
+        return runner
+
+    runner = asyncio.run(run())
+    assert runner.committed == 16
+
+
+def test_an_empty_open_window_moves_past_the_commit():
+    """The commit lands while the window's first forward is in flight."""
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 3}, {}), SamplingParams(), PROMPT,
+                             max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        assert len(executor.pending) == 1 and runner.windows[0].start == 3 and not runner.windows[0].tokens
+        runner.commit(Commit(1, (42,), num_verified=0, num_strict=0))  # a plain decoding step: 42 at 3
+        executor.step()  # moot
+        await settle()
+        executor.step()  # position 4
+        await settle()
+        assert aligned(runner)
+        assert [w.start for w in runner.windows] == [4]
+        task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_rejection_inside_the_open_window_rolls_it_back():
+    """The coordinator verified the open window's first two drafts and rejected the second:
+    the window is judged and dropped, and drafting resumes after the recovered token."""
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 5}, {}), SamplingParams(), PROMPT,
+                             max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        for _ in range(3):  # drafts 3, 4, 5 of one window; 6 is in flight
+            await settle()
+            executor.step()
+        await settle()
+        assert runner.seq == [*PROMPT, draft_of(3), draft_of(4), draft_of(5)] and not runner.windows[0].ended
+        runner.commit(Commit(1, (draft_of(3), 77), num_verified=2, num_strict=1))  # 4 rejected, 77 instead
+        assert events[-1] == Ack(1, 1)  # rolled back: a new epoch
+        assert runner.seq == [*PROMPT, draft_of(3), 77] and runner.windows == []
+        executor.step()  # moot
+        await settle()
+        executor.step()  # position 5, a new window
+        await settle()
+        assert aligned(runner) and [w.start for w in runner.windows] == [5]
+        assert [(e.epoch, e.position) for e in events if isinstance(e, Token)][-1] == (1, 5)
+        task.cancel()
+
+    asyncio.run(run())
