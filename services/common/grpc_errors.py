@@ -84,46 +84,49 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class _Outcome:
+    """Around one call: an error becomes its status (context.abort), and the call's final
+    status code and duration are reported to observe when it ends, however it ends."""
+
+    def __init__(self, method: str, observe: Observe, context: grpc.aio.ServicerContext):
+        self.method, self.observe, self.context = method, observe, context
+        self.start = time.perf_counter()
+
+    async def __aenter__(self) -> None:
+        pass
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        code = "OK"
+        try:
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                code = "CANCELLED"
+            elif isinstance(exc, grpc.aio.AbortError):
+                code = _aborted_code(self.context)
+            elif isinstance(exc, Exception):
+                status = status_of(exc)
+                code = status[0].name
+                await self.context.abort(*status)  # raises AbortError in place of exc
+            return False
+        finally:
+            self.observe(self.method, code, time.perf_counter() - self.start)
+
+
 def _unary(behavior, method: str, observe: Observe):
     async def wrapper(request, context: grpc.aio.ServicerContext):
-        t0, code = time.perf_counter(), "OK"
-        try:
+        async with _Outcome(method, observe, context):
             return await behavior(request, context)
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            code = _aborted_code(context)
-            raise
-        except Exception as e:  # noqa: BLE001 - every error becomes a status
-            status = status_of(e)
-            code = status[0].name
-            await context.abort(*status)
-        finally:
-            observe(method, code, time.perf_counter() - t0)
 
     return wrapper
 
 
 def _streaming(behavior, method: str, observe: Observe):
     async def wrapper(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
-        t0, code = time.perf_counter(), "OK"
         responses = behavior(request, context)
         try:
-            async for response in responses:
-                yield response
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            code = _aborted_code(context)
-            raise
-        except Exception as e:  # noqa: BLE001 - every error becomes a status
-            status = status_of(e)
-            code = status[0].name
-            await context.abort(*status)
+            async with _Outcome(method, observe, context):
+                async for response in responses:
+                    yield response
         finally:
-            observe(method, code, time.perf_counter() - t0)
             # `async for` does not close what it iterates: without this, a cancelled call's
             # handler (and the KV cache it frees in its finally) waits for the garbage collector.
             await responses.aclose()
