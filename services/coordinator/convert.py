@@ -9,7 +9,7 @@ from specd.errors import InvalidRequest
 from specd.types import SpecParams
 
 _STAT_FIELDS = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens",
-                "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason",
+                "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "fallback_kind",
                 "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s",
                 "relaxed_accepted", "discarded")
 

@@ -141,6 +141,7 @@ class Coordinator:
         loop = RequestLoop(cfg, self.target_stub, draft_stub)
         if fallback_reason:
             loop.stats.fallback, loop.stats.fallback_reason = True, fallback_reason
+            loop.stats.fallback_kind = "unavailable"
         stream = TextStream(self.tokenizer, request.sampling.stop)
         try:
             async for new in loop.run():

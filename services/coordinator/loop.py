@@ -47,10 +47,16 @@ from specd.types import SamplingParams, SpecParams
 log = logging.getLogger(__name__)
 
 
+# How a request came to finish with the target alone: no draft service at the start, its
+# session broke mid-request, or it drafted nothing for draft_stall_s.
+FALLBACK_KINDS = ("unavailable", "failed", "stalled")
+
+
 @dataclass
 class LoopStats(GenerationStats):
     fallback: bool = False
     fallback_reason: str = ""
+    fallback_kind: str = ""  # one of FALLBACK_KINDS when fallback
     overlap: bool = False
     draft_wait_s: float = 0.0  # the loop idle, waiting on the draft alone
     verify_wait_s: float = 0.0  # a verification in flight
@@ -62,6 +68,7 @@ class LoopStats(GenerationStats):
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
+                "fallback_kind": self.fallback_kind,
                 "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
                 "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total,
                 "continuations_kept": self.continuations_kept,
@@ -143,7 +150,7 @@ class RequestLoop:
         try:
             return await asyncio.wait_for(self.events.get(), self.cfg.draft_stall_s)
         except TimeoutError:
-            return "draft_error", Unavailable(
+            return "draft_stall", Unavailable(
                 f"draft service: nothing drafted within {self.cfg.draft_stall_s} s (at position "
                 f"{len(self.seq)}, {len(self.drafts)} drafts held, {self.unacked} commits unacknowledged)")
 
@@ -204,7 +211,7 @@ class RequestLoop:
         try:
             await self.draft_call.write(msg)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._fall_back(f"draft service: {e}")
+            self._fall_back(f"draft service: {e}", "failed")
 
     async def _close_draft(self) -> None:
         try:
@@ -225,8 +232,8 @@ class RequestLoop:
     def _on_draft(self, source: str, msg) -> None:
         if source == "target_error":
             raise msg
-        if source == "draft_error":
-            self._fall_back(str(msg))
+        if source in ("draft_error", "draft_stall"):
+            self._fall_back(str(msg), "failed" if source == "draft_error" else "stalled")
             return
         kind = msg.WhichOneof("kind")
         if kind == "token" and msg.token.epoch >= self.epoch and msg.token.position >= len(self.seq):
@@ -242,10 +249,10 @@ class RequestLoop:
                 self.drafts = {p: t for p, t in self.drafts.items() if t.epoch >= self.epoch}
                 self.window_ends = [w for w in self.window_ends if w.epoch >= self.epoch]
 
-    def _fall_back(self, reason: str) -> None:
+    def _fall_back(self, reason: str, kind: str) -> None:
         if not self.stats.fallback:
             log.warning("falling back to target-only decoding: %s", reason)
-        self.stats.fallback, self.stats.fallback_reason = True, reason
+        self.stats.fallback, self.stats.fallback_reason, self.stats.fallback_kind = True, reason, kind
         self.drafts.clear()
         self.window_ends.clear()
         if self.draft_call is not None:

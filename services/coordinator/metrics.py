@@ -10,7 +10,9 @@ Counters (cumulative):
   specd_accepted_tokens_total             of those, accepted by the target
   specd_emitted_tokens_total              tokens returned to callers
   specd_verifications_total               target forward passes (one per verified chunk)
-  specd_fallbacks_total                   requests finished by the target alone because the draft failed
+  specd_fallbacks_total{reason}           requests finished by the target alone because the draft
+                                          failed: unavailable (at the start), failed (mid-request),
+                                          stalled (drafted nothing for draft_stall_s)
   specd_drafted_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
                                           per draft position in a chunk (1, 2, ..., "17+")
   specd_generation_seconds_total          wall seconds the requests took
@@ -67,6 +69,7 @@ from services.common.metrics import (
     count_label,
 )
 from services.coordinator.api import Event, FinishEvent, GenerateRequest, TokenEvent
+from services.coordinator.loop import FALLBACK_KINDS
 from specd.errors import InvalidRequest, Unavailable
 from specd.policies import NO_SPECULATION, POLICIES
 
@@ -91,7 +94,8 @@ class CoordinatorMetrics:
         self.accepted = counter("specd_accepted_tokens", "draft tokens the target accepted")
         self.emitted = counter("specd_emitted_tokens", "tokens returned to callers")
         self.verifications = counter("specd_verifications", "target verification passes")
-        self.fallbacks = counter("specd_fallbacks", "requests finished by the target alone (draft failed)")
+        self.fallbacks = counter("specd_fallbacks", "requests finished by the target alone (draft failed)",
+                                 ("reason",))
         self.drafted_at = counter("specd_drafted_tokens_by_position", "draft tokens verified, by position",
                                   ("position",))
         self.accepted_at = counter("specd_accepted_tokens_by_position", "draft tokens accepted, by position",
@@ -169,8 +173,10 @@ class CoordinatorMetrics:
         self.drafted.labels(*labels).inc(s.get("drafted", 0))
         self.accepted.labels(*labels).inc(s.get("accepted", 0))
         self.verifications.labels(*labels).inc(s.get("verifications", 0))
-        # Created at 0 on the first request, so that a fallback ratio reads 0, not "no data".
-        self.fallbacks.labels(*labels).inc(1 if s.get("fallback") else 0)
+        # Every reason's series exists from the first request on, so that a ratio reads 0, not "no data".
+        kind = s.get("fallback_kind") if s.get("fallback") else None
+        for reason in FALLBACK_KINDS:
+            self.fallbacks.labels(*labels, reason).inc(1 if reason == kind else 0)
         self.draft_wait_s.labels(*labels).inc(s.get("draft_wait_s", 0.0))
         self.verify_wait_s.labels(*labels).inc(s.get("verify_wait_s", 0.0))
         decode_s = s.get("target_decode_s_per_token")

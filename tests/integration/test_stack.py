@@ -173,6 +173,7 @@ def test_draft_killed_mid_stream_falls_back_then_is_used_again(stack, reference)
     if not stats["fallback"]:
         _fail_with_logs(stack, f"the draft was killed mid-stream but spec_stats says no fallback: {stats}")
     assert stats["fallback_reason"], stats
+    assert stats["fallback_kind"] == "failed", stats
     assert "draft" in stats["fallback_reason"].lower(), stats["fallback_reason"]
 
     # While the draft is down, requests are still answered by the target alone.

@@ -86,6 +86,7 @@ def test_draft_down_falls_back_to_the_target(chat_pair, target_service):
     ids, finish = generate(target_service.address, "127.0.0.1:1", request)
     assert ids == reference(chat_pair[0], PROMPTS[0], 16)
     assert finish.spec_stats["fallback"] and "draft" in finish.spec_stats["fallback_reason"]
+    assert finish.spec_stats["fallback_kind"] == "unavailable"
 
 
 def test_draft_dying_mid_request_falls_back_and_recovers(chat_pair, service_loop, target_service):
@@ -113,6 +114,7 @@ def test_draft_dying_mid_request_falls_back_and_recovers(chat_pair, service_loop
     ids, finish = asyncio.run(run())
     assert ids == reference(target, PROMPTS[0], 200)
     assert finish.spec_stats["fallback"]
+    assert finish.spec_stats["fallback_kind"] == "failed"
     # The draft comes back on the same port: new requests use it again.
     from services.common.settings import DraftSettings
     from services.draft.main import start as start_draft
@@ -213,3 +215,33 @@ def test_concurrent_requests_share_target_forwards(chat_pair, target_service, hf
     for prompt, (ids, _) in zip(PROMPTS + ["The quick brown fox"], results):
         assert ids == reference(chat_pair[0], prompt, 48)
     assert max(f.spec_stats["max_verify_batch"] for _, f in results) > 1
+
+
+def test_a_silent_draft_service_stalls_into_a_fallback(chat_pair, service_loop, target_service):
+    """A draft service that accepts the session but never drafts: after draft_stall_s the
+    request goes on with the target alone, and says so."""
+    from services.common.server import start_server
+    from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
+
+    class Silent(draft_pb2_grpc.DraftServiceServicer):
+        async def Info(self, request, context):
+            return draft_pb2.DraftInfo(name="silent", kind="ngram", has_distribution=False)
+
+        async def Session(self, requests, context):
+            async for _ in requests:
+                pass
+            if False:
+                yield
+
+    server, port = service_loop.run(start_server(draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
+                                                 draft_pb2_grpc.add_DraftServiceServicer_to_server, Silent(),
+                                                 "127.0.0.1", 0))
+    try:
+        request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=8),
+                                  spec=SpecParams("constant"))
+        ids, finish = generate(target_service.address, f"127.0.0.1:{port}", request, draft_stall_s=0.5)
+    finally:
+        service_loop.run(server.stop(0))
+    assert ids == reference(chat_pair[0], PROMPTS[0], 8)
+    assert finish.spec_stats["fallback"] and finish.spec_stats["fallback_kind"] == "stalled"
+    assert "nothing drafted" in finish.spec_stats["fallback_reason"]

@@ -234,6 +234,9 @@ def test_fallbacks_are_counted(target_service):
     (finish,) = asyncio.run(run())
     assert finish.spec_stats["fallback"]
     assert total(registry, "specd_fallbacks_total", policy="heuristic") == 1
+    assert total(registry, "specd_fallbacks_total", policy="heuristic", reason="unavailable") == 1
+    assert {s.labels["reason"] for f in registry.collect() for s in f.samples
+            if s.name == "specd_fallbacks_total"} == {"unavailable", "failed", "stalled"}
     assert total(registry, "specd_requests_total", status="ok") == 1
 
 

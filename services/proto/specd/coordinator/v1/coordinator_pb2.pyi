@@ -107,7 +107,7 @@ class Finish(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded")
+    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded", "fallback_kind")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class SpecStats(_message.Message):
     VERIFY_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     RELAXED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_KIND_FIELD_NUMBER: _ClassVar[int]
     policy: str
     drafter: str
     drafted: int
@@ -146,4 +147,5 @@ class SpecStats(_message.Message):
     verify_wait_s: float
     relaxed_accepted: int
     discarded: int
-    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ...) -> None: ...
+    fallback_kind: str
+    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ..., fallback_kind: _Optional[str] = ...) -> None: ...
