@@ -44,6 +44,12 @@ class ManualExecutor(Executor):
         future.set_result(fn(*args))
 
 
+def constant_runner(k: int, executor: ManualExecutor, events: list) -> DraftRunner:
+    """Drafting windows of k with lookahead 2 (PEARL), after PROMPT."""
+    return DraftRunner(FakeSession(), build_policy("constant", {"k": k}, {}), SamplingParams(), PROMPT,
+                       max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
+
+
 def aligned(runner: DraftRunner) -> bool:
     """Each window's i-th token sits at position start + i of the runner's sequence."""
     return all(runner.seq[w.start + i] == t for w in runner.windows for i, t in enumerate(w.tokens))
@@ -58,9 +64,7 @@ def test_a_commit_overtaking_the_open_window_ends_it():
     async def run():
         events: list = []
         executor = ManualExecutor()
-        policy = build_policy("constant", {"k": 5}, {})
-        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=2,
-                             send_q=False, executor=executor, publish=events.append)
+        runner = constant_runner(5, executor, events)
         task = asyncio.create_task(runner.run())
         await settle()
         executor.step()  # drafts position 3
@@ -109,8 +113,7 @@ def test_an_empty_open_window_moves_past_the_commit():
     async def run():
         events: list = []
         executor = ManualExecutor()
-        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 3}, {}), SamplingParams(), PROMPT,
-                             max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
+        runner = constant_runner(3, executor, events)
         task = asyncio.create_task(runner.run())
         await settle()
         assert len(executor.pending) == 1 and runner.windows[0].start == 3 and not runner.windows[0].tokens
@@ -132,8 +135,7 @@ def test_a_rejection_inside_the_open_window_rolls_it_back():
     async def run():
         events: list = []
         executor = ManualExecutor()
-        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 5}, {}), SamplingParams(), PROMPT,
-                             max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
+        runner = constant_runner(5, executor, events)
         task = asyncio.create_task(runner.run())
         for _ in range(3):  # drafts 3, 4, 5 of one window; 6 is in flight
             await settle()
