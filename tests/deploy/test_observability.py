@@ -135,8 +135,8 @@ def mutate_alert(tmp_path: Path, alert: str, old: str, new: str) -> Path:
 @pytest.mark.parametrize("alert,old,new", [
     ("SpecdDraftFallbacks", "> 0.05", "> 0.5"),  # too lax: misses 10% fallbacks
     ("SpecdDraftFallbacks", "> 0.05", "> 0.001"),  # too strict: fires on the healthy series
-    ("SpecdAcceptanceCollapsed", "< 0.2", "< 0.05"),  # misses 10% acceptance
-    ("SpecdAcceptanceCollapsed", "< 0.2", "< 0.8"),  # fires on 70% acceptance
+    ("SpecdAcceptanceCollapsed", "< 0.1", "< 0.02"),  # misses 5% acceptance
+    ("SpecdAcceptanceCollapsed", "< 0.1", "< 0.25"),  # fires on healthy n-gram drafting at 18%
 ])
 def test_alert_unit_tests_catch_a_wrong_threshold(tmp_path, alert, old, new):
     result = promtool("test", "rules", mutate_alert(tmp_path, alert, old, new))
