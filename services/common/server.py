@@ -54,6 +54,17 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, service_names
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+async def serve_until_signal(name: str, server: grpc.aio.Server, port: int, registry, host: str,
+                             metrics_port: int) -> None:
+    """The tail of every gRPC process: export registry at /metrics on metrics_port, say where
+    both listen, and serve until SIGINT or SIGTERM."""
+    from services.common.metrics import serve_metrics
+
+    _, bound = serve_metrics(registry, host, metrics_port)
+    print(f"specd {name} listening on {host}:{port} (metrics: http://{host}:{bound}/metrics)", flush=True)
+    await run_until_signal(server)
+
+
 async def run_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
     """Serve until SIGINT or SIGTERM, then stop, letting calls in flight finish for grace_s."""
     import signal

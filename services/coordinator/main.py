@@ -6,8 +6,8 @@ import logging
 
 import grpc
 
-from services.common.metrics import RpcMetrics, serve_metrics
-from services.common.server import run_until_signal, start_server
+from services.common.metrics import RpcMetrics
+from services.common.server import serve_until_signal, start_server
 from services.common.settings import CoordinatorSettings
 from services.common.state import build_state_store
 from services.coordinator.coordinator import Coordinator, CoordinatorConfig
@@ -36,7 +36,4 @@ async def start(s: CoordinatorSettings, coordinator: Coordinator) -> tuple[grpc.
 async def serve(s: CoordinatorSettings) -> None:
     coordinator = build_coordinator(s)
     server, port = await start(s, coordinator)
-    _, metrics_port = serve_metrics(coordinator.registry, s.host, s.metrics_port)
-    print(f"specd coordinator listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)",
-          flush=True)
-    await run_until_signal(server)
+    await serve_until_signal("coordinator", server, port, coordinator.registry, s.host, s.metrics_port)

@@ -6,8 +6,7 @@ import logging
 
 import grpc
 
-from services.common.metrics import serve_metrics
-from services.common.server import run_until_signal, start_server
+from services.common.server import serve_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
 from services.proto.specd.draft.v1 import draft_pb2_grpc
@@ -46,6 +45,4 @@ async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Ser
 async def serve(s: DraftSettings) -> None:
     servicer = build_servicer(s)
     server, port = await start(s, servicer)
-    _, metrics_port = serve_metrics(servicer.registry, s.host, s.metrics_port)
-    print(f"specd draft listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)", flush=True)
-    await run_until_signal(server)
+    await serve_until_signal("draft", server, port, servicer.registry, s.host, s.metrics_port)

@@ -6,8 +6,7 @@ import logging
 
 import grpc
 
-from services.common.metrics import serve_metrics
-from services.common.server import run_until_signal, start_server
+from services.common.server import serve_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
 from services.target.servicer import SERVICE_NAME, TargetServicer
@@ -36,7 +35,5 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 async def serve(s: TargetSettings) -> None:
     servicer = build_servicer(s)
     server, port = await start(s, servicer)
-    _, metrics_port = serve_metrics(servicer.registry, s.host, s.metrics_port)
-    print(f"specd target listening on {s.host}:{port} (metrics: http://{s.host}:{metrics_port}/metrics)", flush=True)
-    await run_until_signal(server)
+    await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port)
     servicer.close()
