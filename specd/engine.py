@@ -20,10 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.costs import CostCurve, measure_cost_curve
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
-from specd.policies import NO_SPECULATION, Decision, PolicyResources, StoppingPolicy, build_policy
+from specd.policies import (
+    NO_SPECULATION,
+    Decision,
+    PolicyResources,
+    StoppingPolicy,
+    build_policy,
+    policy_class,
+)
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
@@ -42,11 +50,23 @@ class SpeculativeEngine:
     """Holds the models; each generate() call runs one request with its own KV caches."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
-                 state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None):
+                 state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None,
+                 costs: CostCurve | None = None):
         self.target = target
         self.drafter = drafter
         self.state_store = state_store if state_store is not None else MemoryStateStore()
         self.specdecpp_head = specdecpp_head
+        self._costs = costs
+
+    @property
+    def costs(self) -> CostCurve:
+        """The pair's cost curve: measured on first use (a few seconds on a CPU), then refreshed
+        by every round this engine runs."""
+        if self._costs is None:
+            if self.drafter is None:
+                raise InvalidRequest("policy", "a cost curve needs a drafter")
+            self._costs = measure_cost_curve(self.target, self.drafter)
+        return self._costs
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> Generation:
@@ -75,6 +95,7 @@ class GenerationRun:
         validate_prompt(prompt, target.vocab_size, target.max_context)
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
         self.policy, self.drafter = self._build_policy(reference)
+        self.costs = self.policy.resources.costs if self.policy is not None else None  # refreshed by this run
         self.stats = GenerationStats(spec.policy, self.drafter.kind if self.drafter else None,
                                      prompt_tokens=len(prompt), lossy=spec.relaxed)
         self.seq = prompt  # committed tokens; drafts are appended during a round
@@ -109,8 +130,9 @@ class GenerationRun:
         overrides = dict(spec.policy_params)
         if spec.max_draft_tokens is not None:
             overrides["max_draft_tokens"] = spec.max_draft_tokens
+        policy_cls = policy_class(spec.policy)
         resources = PolicyResources(tuple(reference) if reference is not None else None,
-                                    engine.specdecpp_head)
+                                    engine.specdecpp_head, engine.costs if policy_cls.needs_costs else None)
         state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
         return build_policy(spec.policy, overrides, state, resources), engine.drafter
 
@@ -124,10 +146,11 @@ class GenerationRun:
     def _round(self) -> list[int]:
         seq, stats = self.seq, self.stats
         committed = len(seq)
-        drafts, qs, entropies, hit_cap = self._draft(committed)
+        drafts, qs, steps, dropped, hit_cap = self._draft(committed)
         k = len(drafts)
 
         t0 = time.perf_counter()
+        fed = len(seq) - self.target_kv.length
         logits, _ = self.target_kv.extend(seq[self.target_kv.length:], k + 1)  # [k+1, V]
         del seq[committed:]  # drafts leave the committed sequence until verified
         verdict = self._verify(logits, drafts, qs)
@@ -136,7 +159,10 @@ class GenerationRun:
         self.target_kv.rollback(committed + n)
         if self.draft_session is not None:
             self.draft_session.rollback(committed + n)
-        stats.verify_time_s += time.perf_counter() - t0
+        verify_s = time.perf_counter() - t0
+        stats.verify_time_s += verify_s
+        if self.costs is not None and fed == k + 1:  # not the prefill round
+            self.costs.observe_target(fed, verify_s)
 
         stats.verifications += 1
         if k:
@@ -146,22 +172,28 @@ class GenerationRun:
             stats.draft_lengths.append(k)
             stats.accepted_lengths.append(n)
             judged = min(verdict.num_strict + 1, k)
-            stats.judged_entropies.extend(entropies[:judged])
+            stats.judged_entropies.extend(s.entropy for s in steps[:judged])
             stats.judged_accepted.extend(i < verdict.num_strict for i in range(judged))
-            self.policy.observe(RoundOutcome(k, verdict.num_strict, tuple(entropies), hit_cap,
-                                             verdict.js_distances))
+        if k or dropped is not None:
+            dropped_accepted = None
+            if dropped is not None and verdict.num_strict == k:  # the target judged its position
+                dropped_accepted = verdict.next_token == dropped.token
+            self.policy.observe(RoundOutcome(k, verdict.num_strict, tuple(s.entropy for s in steps), hit_cap,
+                                             verdict.js_distances, tuple(steps), dropped, dropped_accepted))
         return self._commit(drafts[:n] + [verdict.next_token])
 
-    def _draft(self, committed: int) -> tuple[list[int], list, list[float], bool]:
+    def _draft(self, committed: int) -> tuple[list[int], list, list[DraftStep], DraftStep | None, bool]:
+        """Draft one window: (tokens, their q, the policy's steps, a dropped step, hit the cap)."""
         drafts: list[int] = []
         qs: list[torch.Tensor | None] = []
-        entropies: list[float] = []
+        steps: list[DraftStep] = []
+        dropped = None
         if self.policy is None:
-            return drafts, qs, entropies, False
+            return drafts, qs, steps, dropped, False
         # A round emits k + 1 tokens: never draft past max_new_tokens or the context.
         cap = min(self.policy.params.max_draft_tokens, self.max_len - committed - 1)
         if cap <= 0:
-            return drafts, qs, entropies, False
+            return drafts, qs, steps, dropped, False
         t0 = time.perf_counter()
         policy, session, seq = self.policy, self.draft_session, self.seq
         policy.begin_round()
@@ -171,21 +203,25 @@ class GenerationRun:
             if d is None:
                 break
             step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
-                             d.prob, d.max_prob, d.entropy, d.hidden)
+                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len)
             decision = policy.decide(step)
             if decision is Decision.DROP:
+                dropped = step
                 break
             seq.append(d.token)
             drafts.append(d.token)
             qs.append(d.q)
-            entropies.append(d.entropy)
+            steps.append(step)
             if decision is Decision.STOP:
                 break
             if len(drafts) >= cap:
                 hit_cap = True
                 break
-        self.stats.draft_time_s += time.perf_counter() - t0
-        return drafts, qs, entropies, hit_cap
+        draft_s = time.perf_counter() - t0
+        self.stats.draft_time_s += draft_s
+        if self.costs is not None and (n := len(drafts) + (dropped is not None)):
+            self.costs.observe_draft(draft_s / n)
+        return drafts, qs, steps, dropped, hit_cap
 
     def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list) -> Verdict:
         q = torch.stack(qs) if qs and qs[0] is not None else None

@@ -78,6 +78,7 @@ class DraftStep:
     max_prob: float  # max_v q(v)
     entropy: float  # H(q) in nats
     hidden: torch.Tensor | None = None  # draft's last hidden state that produced q ([hidden])
+    match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues (else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,11 @@ class RoundOutcome:
     entropies: tuple[float, ...]  # H(q) of each drafted token, in draft order
     hit_cap: bool  # drafting ended at the hard cap, not by the policy's own decision
     js_distances: tuple[float, ...] = ()  # JS(p, q) per verified position (relaxed mode only)
+    steps: tuple[DraftStep, ...] = ()  # what the policy saw for each drafted token, in draft order
+    # A token the policy dropped after the kept ones (Decision.DROP), and whether the target's
+    # next token turned out to be that token (None when a kept draft was rejected first).
+    dropped: DraftStep | None = None
+    dropped_accepted: bool | None = None
 
     @property
     def all_accepted(self) -> bool:

@@ -17,17 +17,17 @@ prompt + its answer; so a measured run can exceed the bound by a few percent (> 
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from specd.costs import CostCurve, measure_t_draft, measure_t_target
 from specd.drafters.base import Drafter, fit_vocab
 from specd.models.loading import LoadedModel
-from specd.types import SamplingParams
+
+__all__ = ["CostCurve", "bound", "measure_prefill", "measure_t_draft", "measure_t_target", "oracle_rounds",
+           "teacher_forced_agreement"]
 
 
 def oracle_rounds(agree: Sequence[bool], window: int) -> list[int]:
@@ -45,29 +45,6 @@ def oracle_rounds(agree: Sequence[bool], window: int) -> list[int]:
         rounds.append(k)
         pos += k + 1
     return rounds
-
-
-@dataclass
-class CostCurve:
-    """Measured costs in seconds: t_draft per drafted token, t_target[k-1] for a k-token forward."""
-
-    t_draft: float
-    ks: list[int]
-    t_target_k: list[float]
-
-    def t_target(self, k: float) -> float:
-        """Interpolate inside the measured ks; extrapolate with a least-squares line beyond."""
-        ks, ts = np.asarray(self.ks, float), np.asarray(self.t_target_k, float)
-        if ks[0] <= k <= ks[-1]:
-            return float(np.interp(k, ks, ts))
-        slope, intercept = np.polyfit(ks, ts, 1) if len(ks) > 1 else (0.0, ts[0])
-        return float(max(intercept + slope * k, 0.0))
-
-    def round_time(self, draft_len: int) -> float:
-        return draft_len * self.t_draft + self.t_target(draft_len + 1)
-
-    def to_dict(self) -> dict:
-        return {"t_draft_s": self.t_draft, "k": self.ks, "t_target_s": self.t_target_k}
 
 
 def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float) -> dict:
@@ -92,56 +69,6 @@ def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Se
     finally:
         session.close()
     return [p == y for p, y in zip(pred, output)]
-
-
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_t_draft(drafter: Drafter, prefix: Sequence[int], repeats: int = 7) -> float:
-    """Median of single draft steps after a cached prefix (rolled back after each step)."""
-    seq, params = list(prefix), SamplingParams()
-    session = drafter.open()
-    try:
-        session.next(seq[:-1], params, None, False)  # prefill all but the last token
-
-        def step():
-            session.next(seq, params, None, False)
-            session.rollback(len(seq) - 1)
-
-        step()  # warm-up
-        return _median_time(step, repeats)
-    finally:
-        session.close()
-
-
-def measure_t_target(target: LoadedModel, prefix: Sequence[int], max_k: int = 16,
-                     repeats: int = 5) -> tuple[list[int], list[float], float]:
-    """(ks, median t_target(k) for k-token forwards on the cached prefix, prefill time)."""
-    prefix = list(prefix)
-    kv = target.session()
-    try:
-        t0 = time.perf_counter()
-        kv.extend(prefix, 1)
-        t_prefill = time.perf_counter() - t0
-        ks, ts = list(range(1, max_k + 1)), []
-        for k in ks:
-            ids = (prefix * (k // len(prefix) + 1))[-k:]  # any k tokens: cost depends on k, not ids
-
-            def forward():
-                kv.extend(ids, k)
-                kv.rollback(len(prefix))
-
-            forward()  # warm-up
-            ts.append(_median_time(forward, repeats))
-    finally:
-        kv.close()
-    return ks, ts, t_prefill
 
 
 def measure_prefill(target: LoadedModel, prompt: Sequence[int]) -> float:

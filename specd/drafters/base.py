@@ -25,6 +25,7 @@ class DraftToken:
     max_prob: float
     entropy: float  # H(q) in nats
     hidden: torch.Tensor | None = None  # [H] draft hidden state that produced q
+    match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues
 
 
 class DraftSession(ABC):

@@ -1,8 +1,12 @@
 """ngram: prompt-lookup drafting (Saxena 2023), no model.
 
-Find the most recent earlier occurrence of the sequence's last n tokens (n from max_ngram
-down to min_ngram) in prompt + generated text and propose the tokens that followed it.
-The draft distribution is a point mass on each proposed token.
+Find the longest suffix of the sequence (at most max_ngram tokens, at least min_ngram) that
+occurred earlier in prompt + generated text, take its most recent occurrence, and propose the
+tokens that followed it, up to `lookahead` of them: the draft length comes from the match's own
+continuation, and there is no draft at all without a match. The draft distribution is a point
+mass on each proposed token. Every token carries the match length it came from, the feature a
+cost-aware policy calibrates its acceptance estimate on (a long match is a repeated passage, a
+one-token match is a guess).
 """
 
 from __future__ import annotations
@@ -12,47 +16,67 @@ import numpy as np
 from specd.drafters.base import Drafter, DraftSession, DraftToken
 
 
+def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
+    """(start of the continuation, match length) of the longest suffix of seq that also ends
+    earlier in seq, capped at max_ngram tokens, the most recent one among equals; (-1, 0) if none."""
+    n = len(seq)
+    if n < 2:
+        return -1, 0
+    alive = np.flatnonzero(seq[:-1] == seq[-1])  # earlier ends of a 1-token match
+    if alive.size == 0:
+        return -1, 0
+    length, best = 1, alive
+    while length < max_ngram:
+        alive = alive[alive >= length]  # room to extend the match one token further back
+        alive = alive[seq[alive - length] == seq[n - 1 - length]]
+        if alive.size == 0:
+            break
+        length, best = length + 1, alive
+    return int(best[-1]) + 1, length
+
+
 class NgramSession(DraftSession):
     def __init__(self, max_ngram: int, min_ngram: int, lookahead: int):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
         self.proposal: list[int] = []  # continuation found for the current round
-        self.next_len = -1  # len(seq) at which proposal[0] is the next token
+        self.cursor = 0  # next proposal index to hand out
+        self.match_len = 0
+        self.next_len = -1  # len(seq) at which proposal[cursor] is the next token
 
     def next(self, seq, params, generator, want_hidden):
-        if len(seq) != self.next_len or not self.proposal:
-            self.proposal = self._lookup(seq)
-            self.next_len = len(seq)
+        if len(seq) != self.next_len or self.cursor >= len(self.proposal):
+            self._lookup(seq)
             if not self.proposal:
                 return None
-        token = self.proposal.pop(0)
+        token = self.proposal[self.cursor]
+        self.cursor += 1
         self.next_len += 1
-        return DraftToken(token, None, 1.0, 1.0, 0.0)
+        return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len)
 
-    def _lookup(self, seq: list[int]) -> list[int]:
+    def _lookup(self, seq: list[int]) -> None:
         arr = np.asarray(seq, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(arr) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # all earlier n-grams
-            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the most recent match
-                return arr[start:start + self.lookahead].tolist()
-        return []
+        start, length = longest_match(arr, self.max_ngram)
+        found = start >= 0 and length >= self.min_ngram
+        self.proposal = arr[start:start + self.lookahead].tolist() if found else []
+        self.cursor, self.match_len, self.next_len = 0, length if found else 0, len(seq)
 
     def rollback(self, length: int) -> None:
         if length < self.next_len:
-            self.proposal, self.next_len = [], -1
+            self.proposal, self.cursor, self.next_len = [], 0, -1
 
 
 class NgramDrafter(Drafter):
     kind = "ngram"
     has_distribution = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, lookahead: int = 64):
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, lookahead: int = 64):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
 
     @property
     def name(self) -> str:
-        return f"ngram-{self.max_ngram}"
+        return f"ngram-{self.max_ngram}" + (f"-min{self.min_ngram}" if self.min_ngram > 1 else "")
 
     def open(self, vocab_size: int | None = None) -> NgramSession:
         return NgramSession(self.max_ngram, self.min_ngram, self.lookahead)

@@ -9,6 +9,7 @@ from specd.policies.adaedl import AdaEdlPolicy
 from specd.policies.adasd import AdaSdPolicy
 from specd.policies.base import Decision, PolicyParams, PolicyResources, StoppingPolicy
 from specd.policies.constant import ConstantPolicy
+from specd.policies.cost_aware import CostAwarePolicy
 from specd.policies.heuristic import HeuristicPolicy
 from specd.policies.max_confidence import MaxConfidencePolicy
 from specd.policies.oracle import OraclePolicy
@@ -18,7 +19,7 @@ from specd.policies.svip import SvipPolicy
 POLICIES: dict[str, type[StoppingPolicy]] = {
     cls.name: cls
     for cls in (ConstantPolicy, HeuristicPolicy, MaxConfidencePolicy, SvipPolicy, AdaEdlPolicy,
-                AdaSdPolicy, SpecDecPPPolicy, OraclePolicy)
+                AdaSdPolicy, SpecDecPPPolicy, CostAwarePolicy, OraclePolicy)
 }
 NO_SPECULATION = "none"  # target-only decoding, the baseline
 

@@ -69,6 +69,7 @@ class PolicyResources:
 
     reference: tuple[int, ...] | None = None  # oracle: the target-only greedy continuation
     specdecpp_head: Any = None  # specdec++: a loaded AcceptanceHead
+    costs: Any = None  # cost-aware: the pair's specd.costs.CostCurve, kept current while serving
 
 
 class StoppingPolicy(ABC):
@@ -78,6 +79,7 @@ class StoppingPolicy(ABC):
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     needs_hidden: ClassVar[bool] = False  # wants DraftStep.hidden (a learned head)
     needs_distribution: ClassVar[bool] = False  # meaningless with a point-mass drafter (n-gram)
+    needs_costs: ClassVar[bool] = False  # wants PolicyResources.costs (the measured cost curve)
 
     def __init__(self, params: PolicyParams, state: dict[str, float] | None = None,
                  resources: PolicyResources | None = None):

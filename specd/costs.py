@@ -1,0 +1,132 @@
+"""What a round of speculation costs: the cost curve of a draft/target pair.
+
+    round_time(k) = k * t_draft + t_target(k + 1) + overhead
+
+t_draft: seconds per drafted token. t_target(n): seconds of one target forward over n new
+tokens on a cached prefix (a round with k drafts feeds the pending committed token and the k
+drafts). overhead: seconds per round spent outside both (the network round trip between the
+draft and target services; 0 in process).
+
+The curve is measured once (`measure_cost_curve`: a few seconds on a CPU, well under one on a
+GPU) and kept current while serving (`observe_*`): t_draft is a moving average of observed
+draft steps, and the target's measured *shape* t_target(n) is kept while one scale factor
+follows the observed forwards (a longer context or a busy machine makes every window slower,
+not one window size). So a policy that reads the curve adapts by itself to the hardware it
+runs on: on a CPU t_target(n) grows steeply with n, on a GPU it is nearly flat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specd.types import SamplingParams
+
+
+@dataclass
+class CostCurve:
+    """Measured costs in seconds: t_draft per drafted token, t_target_k[i] for a ks[i]-token forward."""
+
+    t_draft: float
+    ks: list[int]
+    t_target_k: list[float]
+    overhead: float = 0.0
+    smoothing: float = 0.05  # weight of one new observation in the moving averages
+    scale: float = 1.0  # observed / measured target cost, followed while serving
+    _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.ks or len(self.ks) != len(self.t_target_k):
+            raise ValueError("a cost curve needs one target time per window size")
+        self._ks = np.asarray(self.ks, float)
+        self._ts = np.asarray(self.t_target_k, float)
+
+    def t_target(self, k: float) -> float:
+        """Interpolate inside the measured ks; extrapolate with a least-squares line beyond."""
+        ks, ts = self._ks, self._ts
+        if ks[0] <= k <= ks[-1]:
+            return self.scale * float(np.interp(k, ks, ts))
+        if self._fit is None:
+            self._fit = tuple(np.polyfit(ks, ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
+        slope, intercept = self._fit
+        return self.scale * float(max(intercept + slope * k, 0.0))
+
+    def round_time(self, draft_len: int) -> float:
+        return draft_len * self.t_draft + self.t_target(draft_len + 1) + self.overhead
+
+    # -- refreshed while serving ------------------------------------------------------------
+    def observe_target(self, n_tokens: int, seconds: float) -> None:
+        """One target forward over n_tokens took `seconds`: follow the scale of the curve."""
+        base = self.t_target(n_tokens) / self.scale
+        if base > 0 and seconds > 0:
+            self.scale += self.smoothing * (seconds / base - self.scale)
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        self.t_draft += self.smoothing * (seconds_per_token - self.t_draft)
+
+    def to_dict(self) -> dict:
+        return {"t_draft_s": self.t_draft, "k": list(self.ks),
+                "t_target_s": [self.scale * t for t in self.t_target_k], "overhead_s": self.overhead}
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
+    """Median of single draft steps after a cached prefix (rolled back after each step)."""
+    seq, params = list(prefix), SamplingParams()
+    session = drafter.open()
+    try:
+        session.next(seq[:-1], params, None, False)  # prefill all but the last token
+
+        def step():
+            session.next(seq, params, None, False)
+            session.rollback(len(seq) - 1)
+
+        step()  # warm-up
+        return _median_time(step, repeats)
+    finally:
+        session.close()
+
+
+def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(range(1, 17)),
+                     repeats: int = 5) -> tuple[list[int], list[float], float]:
+    """(ks, median t_target(k) for k-token forwards on the cached prefix, prefill time)."""
+    prefix = list(prefix)
+    kv = target.session()
+    try:
+        t0 = time.perf_counter()
+        kv.extend(prefix, 1)
+        t_prefill = time.perf_counter() - t0
+        ts = []
+        for k in ks:
+            ids = (prefix * (k // len(prefix) + 1))[-k:]  # any k tokens: cost depends on k, not ids
+
+            def forward(ids=ids, k=k):
+                kv.extend(ids, k)
+                kv.rollback(len(prefix))
+
+            forward()  # warm-up
+            ts.append(_median_time(forward, repeats))
+    finally:
+        kv.close()
+    return list(ks), ts, t_prefill
+
+
+def measure_cost_curve(target, drafter, max_window: int = 16, prefix_len: int = 64,
+                       repeats: int = 3) -> CostCurve:
+    """The start-up measurement: forwards of 1..max_window + 1 tokens after a prefix_len-token
+    context, and single draft steps after the same context."""
+    prefix = [(17 * i + 11) % target.vocab_size for i in range(prefix_len)]  # any ids: cost is in the shape
+    ks, ts, _ = measure_t_target(target, prefix, range(1, max_window + 2), repeats)
+    return CostCurve(measure_t_draft(drafter, prefix, repeats), ks, ts)

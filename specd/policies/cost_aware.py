@@ -1,0 +1,137 @@
+"""cost-aware: keep drafting only while the expected gain is positive (DESIGN.md §3.6).
+
+After each drafted token the policy knows
+  - a_i, the calibrated probability that draft token i is accepted given that tokens 1..i-1
+    were. It is read from a table of feature bins: q(x) in tenths for a model drafter, (match
+    length, index in the window) for the n-gram drafter. Every bin starts at a prior and is
+    recalibrated online from verification outcomes: each judged token (up to and including
+    the first rejection) is one observation of its bin, with old observations fading so the
+    table follows the traffic. The table is the policy's shared state.
+  - the cost curve (specd.costs): t_draft, t_target(n) and the per-round overhead, measured
+    at start-up and refreshed while serving.
+
+A window of k drafts emits E_k = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average and costs
+C_k = k t_draft + t_target(k + 1) + overhead, so its rate is E_k / C_k. After token k the
+policy compares three choices: drop token k (verify k - 1; its draft time is spent either
+way), stop (verify k), or continue, valued by the best rate over up to `horizon` more tokens
+that are assumed to be accepted like this one. It takes the best. The look-ahead matters on
+a CPU, where t_target(n) jumps from 1 to 2 tokens and then flattens, so one more token can
+lose while four more win.
+
+This is the expected-throughput form of SpecDec++ Thm 4.3 (stop when P(some drafted token is
+rejected) exceeds c2 / (c1 + c2 + overhead)) with the whole measured curve in place of a
+constant cost ratio: where verification is nearly flat in n (a GPU) it drafts long windows,
+where it is steep (a CPU) short ones, with the same code and no tuning. Dropping is also how it
+declines to speculate at all: a first token it does not believe in is verified as a plain step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.errors import InvalidRequest
+from specd.policies.base import Decision, PolicyParams, PolicyResources, StoppingPolicy, bounded
+from specd.types import DraftStep, RoundOutcome
+
+MAX_MATCH_BIN = 8  # n-gram matches of 8 tokens or more share a bin
+MAX_INDEX_BIN = 4  # so do window positions 4 and later
+
+
+@dataclass(frozen=True)
+class CostAwareParams(PolicyParams):
+    horizon: int = bounded(8, 1, 64, "how many further tokens continuing is valued over")
+    prior: float = bounded(0.5, 0.0, 1.0, "n-gram bins' acceptance before any outcome (model "
+                                          "drafters' bins start at q(x))")
+    prior_weight: float = bounded(2.0, 0.0, 1000.0, "pseudo-observations behind each prior")
+    memory: float = bounded(500.0, 10.0, 1e6, "about how many recent outcomes each bin remembers")
+
+
+def feature_bin(step: DraftStep) -> str:
+    """The calibration bin of a drafted token."""
+    if step.match_len > 0:
+        return f"n{min(step.match_len, MAX_MATCH_BIN)}i{min(step.index, MAX_INDEX_BIN)}"
+    return f"q{min(int(step.prob * 10), 9)}"
+
+
+class CostAwarePolicy(StoppingPolicy):
+    name = "cost-aware"
+    Params = CostAwareParams
+    needs_costs = True
+
+    def __init__(self, params: CostAwareParams, state: dict[str, float] | None = None,
+                 resources: PolicyResources | None = None):
+        super().__init__(params, state, resources)
+        if self.resources.costs is None:
+            raise InvalidRequest("policy", "cost-aware needs the measured cost curve of this draft/target pair")
+        self.costs = self.resources.costs
+        self.decay = 1.0 - 1.0 / params.memory
+        self.begin_round()
+
+    # -- the calibration table (shared state) ------------------------------------------------
+    def load_state(self, state: dict[str, float]) -> None:
+        self.table: dict[str, list[float]] = {}  # bin -> [accepted weight, rejected weight]
+        for key, value in state.items():
+            name, _, kind = key.rpartition(":")
+            if name and kind in ("a", "r"):
+                self.table.setdefault(name, [0.0, 0.0])[kind == "r"] = float(value)
+
+    def state(self) -> dict[str, float]:
+        out = {}
+        for name, (acc, rej) in self.table.items():
+            out[f"{name}:a"], out[f"{name}:r"] = acc, rej
+        return out
+
+    def estimate(self, bin_: str) -> float:
+        """Calibrated P(accepted | the tokens before it in the window were)."""
+        if bin_[0] == "q":
+            prior = (int(bin_[1:]) + 0.5) / 10
+        else:
+            prior = self.params.prior
+        acc, rej = self.table.get(bin_, (0.0, 0.0))
+        w = self.params.prior_weight
+        total = acc + rej + w
+        return (acc + w * prior) / total if total > 0 else prior
+
+    def _learn(self, bin_: str, accepted: bool) -> None:
+        counts = self.table.setdefault(bin_, [0.0, 0.0])
+        counts[0] *= self.decay
+        counts[1] *= self.decay
+        counts[not accepted] += 1.0
+
+    # -- decisions ---------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        self.survive = 1.0  # P(every token drafted so far this round is accepted)
+        self.expected = 1.0  # expected tokens emitted by verifying what is drafted so far
+
+    def decide(self, step: DraftStep) -> Decision:
+        costs, k = self.costs, step.index
+        rate_drop = self.expected / (costs.round_time(k - 1) + costs.t_draft)
+        self.survive *= self.estimate(feature_bin(step))
+        self.expected += self.survive
+        rate_stop = self.expected / costs.round_time(k)
+        rate_go = self._continue_rate(step, rate_stop)
+        if rate_go > rate_stop and rate_go > rate_drop:
+            return Decision.CONTINUE
+        return Decision.STOP if rate_stop >= rate_drop else Decision.DROP
+
+    def _continue_rate(self, step: DraftStep, beat: float) -> float:
+        """The best rate of drafting 1..horizon more tokens, stopping early once one beats `beat`."""
+        costs, k = self.costs, step.index
+        survive, expected, best = self.survive, self.expected, 0.0
+        for m in range(1, min(self.params.horizon, self.params.max_draft_tokens - k) + 1):
+            if step.match_len > 0:  # the match's next token: same match, one position later
+                survive *= self.estimate(f"n{min(step.match_len, MAX_MATCH_BIN)}i{min(k + m, MAX_INDEX_BIN)}")
+            else:  # a model drafter: assume the next tokens are as good as this one
+                survive *= self.estimate(feature_bin(step))
+            expected += survive
+            best = max(best, expected / costs.round_time(k + m))
+            if best > beat:
+                break
+        return best
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        n = outcome.num_accepted
+        for i, st in enumerate(outcome.steps[:n + 1]):  # judged: the accepted ones and the first rejection
+            self._learn(feature_bin(st), i < n)
+        if outcome.dropped is not None and outcome.dropped_accepted is not None:
+            self._learn(feature_bin(outcome.dropped), outcome.dropped_accepted)

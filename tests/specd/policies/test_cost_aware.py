@@ -1,0 +1,116 @@
+"""The cost-aware policy against hand-made cost curves: long windows where verification is
+flat (a GPU), short ones where it is steep (a CPU), no window for a guess it does not believe,
+and an acceptance table that learns from verification outcomes and survives the state store."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.costs import CostCurve
+from specd.errors import InvalidRequest
+from specd.policies import Decision, PolicyResources, build_policy
+from specd.types import DraftStep, RoundOutcome
+
+C, S, D = Decision.CONTINUE, Decision.STOP, Decision.DROP
+KS = list(range(1, 18))
+FLAT = CostCurve(0.0005, KS, [0.020 + 0.0002 * (n - 1) for n in KS])  # GPU-like: 20 ms for any window
+STEEP = CostCurve(0.002, KS, [0.033 + 0.012 * (n - 1) for n in KS])  # CPU-like: each token adds 36%
+# What the embedded pair measured on the 2-core CPU (issue 6): a jump from 1 to 2 tokens, then flatter.
+CPU = CostCurve(0.0001, [1, 2, 4, 6, 8, 17], [0.033, 0.045, 0.053, 0.053, 0.062, 0.075])
+
+
+def policy(costs: CostCurve, state: dict | None = None, **overrides):
+    return build_policy("cost-aware", overrides, state, PolicyResources(costs=costs))
+
+
+def model_step(index: int, prob: float) -> DraftStep:
+    return DraftStep(index, index - 1, 7, prob, prob, 0.5)
+
+
+def ngram_step(index: int, match_len: int, token: int = 7) -> DraftStep:
+    return DraftStep(index, index - 1, token, 1.0, 1.0, 0.0, None, match_len)
+
+
+def window(p, make_step, cap: int = 64) -> tuple[int, Decision]:
+    """Draft identical tokens until the policy does not continue: (index, decision)."""
+    p.begin_round()
+    for i in range(1, cap + 1):
+        decision = p.decide(make_step(i))
+        if decision is not C:
+            return i, decision
+    return cap, C
+
+
+def test_flat_verification_drafts_long_windows_steep_short_ones():
+    confident = lambda i: model_step(i, 0.85)  # prior: accepted 85% of the time
+    k_flat, _ = window(policy(FLAT), confident)
+    assert k_flat >= 10  # the rate E_k / C_k peaks at k = 12 here
+    k, decision = window(policy(STEEP), confident)
+    assert decision is S and k == 3  # peaks at k = 3
+    # The same policy on the same curve drafts shorter for worse tokens.
+    k_unsure, _ = window(policy(STEEP), lambda i: model_step(i, 0.65))
+    assert k_unsure < k
+
+
+def test_a_guess_it_does_not_believe_is_not_verified():
+    # A first token with a 5% chance: verifying it costs 36% more than a plain step on a CPU.
+    assert policy(STEEP).decide(model_step(1, 0.05)) is D
+    # On a GPU the same token costs next to nothing to verify, so it is kept.
+    assert policy(FLAT).decide(model_step(1, 0.05)) is not D
+
+
+def test_look_ahead_crosses_the_cpu_jump():
+    # On the measured CPU curve verifying 2 tokens costs 36% more than 1, but 5 cost only 60%
+    # more. A first n-gram token accepted 30% of the time is not worth 36% on its own, but when
+    # the tokens after it, once it is right, are accepted 95% of the time, the window is.
+    later = {"n8i2:a": 95.0, "n8i2:r": 5.0, "n8i3:a": 95.0, "n8i3:r": 5.0, "n8i4:a": 95.0, "n8i4:r": 5.0}
+    first = {"n8i1:a": 30.0, "n8i1:r": 70.0}
+    assert policy(CPU, {**first, **later}).decide(ngram_step(1, 9)) is C
+    unsure_later = {key: 30.0 if key.endswith(":a") else 70.0 for key in later}
+    assert policy(CPU, {**first, **unsure_later}).decide(ngram_step(1, 9)) is D
+
+
+def test_ngram_bins_learn_from_outcomes_and_dropped_tokens():
+    p = policy(CPU)
+    before = p.estimate("n1i1")
+    # one-token matches keep failing, in windows and as dropped first tokens
+    for _ in range(20):
+        p.observe(RoundOutcome(2, 0, (0.0, 0.0), False, (), (ngram_step(1, 1), ngram_step(2, 1))))
+        p.observe(RoundOutcome(0, 0, (), False, (), (), ngram_step(1, 1), False))
+    assert p.estimate("n1i1") < min(before, 0.1)
+    assert p.estimate("n1i2") == before  # never judged: after a rejection nothing is learnt
+    assert p.decide(ngram_step(1, 1)) is D
+    # long matches keep succeeding
+    p.begin_round()
+    for _ in range(20):
+        p.observe(RoundOutcome(3, 3, (0.0,) * 3, False, (), tuple(ngram_step(i, 8) for i in (1, 2, 3))))
+    assert p.estimate("n8i1") > 0.9 and p.decide(ngram_step(1, 8)) is C
+
+
+def test_the_table_is_shared_state_and_forgets_slowly():
+    p = policy(STEEP, memory=10.0)
+    for _ in range(50):
+        p.observe(RoundOutcome(1, 1, (0.5,), False, (), (model_step(1, 0.35),)))
+    high = p.estimate("q3")
+    assert high > 0.8  # q(x) in [0.3, 0.4) but accepted every time: recalibrated up
+    again = policy(STEEP, p.state(), memory=10.0)
+    assert again.estimate("q3") == pytest.approx(high)
+    for _ in range(50):  # the traffic changes: old outcomes fade (memory 10)
+        again.observe(RoundOutcome(1, 0, (0.5,), False, (), (model_step(1, 0.35),)))
+    assert again.estimate("q3") < 0.2
+
+
+def test_needs_the_cost_curve():
+    with pytest.raises(InvalidRequest) as err:
+        build_policy("cost-aware", {})
+    assert err.value.field == "policy" and "cost curve" in err.value.message
+
+
+def test_cost_curve_follows_observed_forwards():
+    curve = CostCurve(0.001, [1, 2, 4], [0.010, 0.020, 0.040])
+    for _ in range(200):
+        curve.observe_target(2, 0.040)  # the machine got twice as slow
+        curve.observe_draft(0.003)
+    assert curve.t_target(4) == pytest.approx(0.080, rel=0.01)  # the whole curve, not just n = 2
+    assert curve.t_draft == pytest.approx(0.003, rel=0.01)
+    assert curve.round_time(3) == pytest.approx(3 * 0.003 + 0.080, rel=0.01)
