@@ -69,6 +69,10 @@ class Coordinator:
         self.target_info: common_pb2.ModelInfo | None = None
         self.tokenizer = None
         self.drafter_name: str | None = None
+        # What cost-aware drafting weighs, kept current from every request's verifications.
+        self.verify_seconds: list[float] = []  # the target's start-up cost curve
+        self.decode_s: float | None = None  # its current decode cost (Verified)
+        self.round_overhead_s = 0.0  # round trip beyond the forward, a moving average
 
     # -- connecting -------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -90,6 +94,7 @@ class Coordinator:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "target") from None
         self.tokenizer = _load_tokenizer(dict(files.files))
+        self.verify_seconds = list(info.verify_seconds)
         self.target_info = info.model
 
     async def _draft_info(self) -> draft_pb2.DraftInfo | SpecdError:
@@ -157,6 +162,7 @@ class Coordinator:
         finally:
             await loop.close()
         await self._save_state(cfg, loop)
+        self._follow_costs(loop)
         yield FinishEvent(loop.finish_reason or "length", len(prompt), len(stream.ids),
                           {**loop.stats.to_dict(), "new_tokens": len(stream.ids)})
 
@@ -193,7 +199,21 @@ class Coordinator:
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))
         send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
-        return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name)
+        return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name,
+                                   verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s)
+
+    def _current_curve(self) -> tuple[float, ...]:
+        """The target's start-up cost curve, scaled by how its decode cost has drifted since."""
+        curve = self.verify_seconds
+        scale = self.decode_s / curve[0] if curve and self.decode_s and curve[0] > 0 else 1.0
+        return tuple(t * scale for t in curve)
+
+    def _follow_costs(self, loop: RequestLoop) -> None:
+        if loop.stats.target_decode_s_per_token > 0:
+            self.decode_s = loop.stats.target_decode_s_per_token
+        if loop.overhead_n:
+            weight = min(1.0, loop.overhead_n / 50)  # a long request counts more, up to 50 rounds
+            self.round_overhead_s += weight * (loop.overhead_s / loop.overhead_n - self.round_overhead_s)
 
     def _state_key(self, cfg: LoopConfig, drafter: str) -> StateKey:
         return StateKey(drafter, self.target_info.name, cfg.spec.policy, cfg.spec.task_tag)

@@ -91,6 +91,8 @@ class LoopConfig:
     timeout_s: float  # deadline of the whole request on both services
     draft_stall_s: float  # waiting this long on the draft alone means it is stuck: fall back
     drafter: str | None
+    verify_seconds: tuple[float, ...] = ()  # the target's cost curve, for cost-aware policies
+    round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
 
 
 class RequestLoop:
@@ -111,6 +113,8 @@ class RequestLoop:
         self.policy_state: dict | None = None  # returned by the draft service on close
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
+        self.sent_at = 0.0  # when the outstanding verification was sent
+        self.overhead_s, self.overhead_n = 0.0, 0  # round trip beyond the forward, summed
         self.started = 0.0
 
     # -- public -----------------------------------------------------------------------------
@@ -181,7 +185,8 @@ class RequestLoop:
             prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), policy=spec.policy,
             policy_params=spec.policy_params, policy_state=cfg.policy_state, max_length=cfg.max_length,
             lookahead=2 if cfg.overlap else 1, send_distributions=cfg.send_distributions,
-            vocab_size=cfg.vocab_size)
+            vocab_size=cfg.vocab_size, verify_seconds=cfg.verify_seconds,
+            round_overhead_seconds=cfg.round_overhead_s)
         if spec.max_draft_tokens is not None:
             open_msg.max_draft_tokens = spec.max_draft_tokens
         self.draft_call = self.draft_stub.Session(timeout=cfg.timeout_s)
@@ -287,6 +292,7 @@ class RequestLoop:
             msg.distributions.extend(t.q for t in chunk)
         if self.threshold is not None and self.cfg.spec.relaxed:
             msg.relaxed_threshold = self.threshold
+        self.sent_at = time.perf_counter()
         await self._write_target(target_pb2.TargetRequest(verify=msg))
 
     async def _on_verified(self, msg, chunk: list[draft_pb2.DraftToken]) -> list[int]:
@@ -294,6 +300,9 @@ class RequestLoop:
             raise Unavailable("target service ended the session")
         v = msg.verified
         n, k = v.num_accepted, len(chunk)
+        if not v.prefill_seconds:  # the first reply also waited for the prompt's prefill
+            self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
+            self.overhead_n += 1
         tokens = [t.token for t in chunk[:n]] + [v.next_token]
         self._record(k, n, v)
         start = len(self.seq)

@@ -69,7 +69,8 @@ class Commit:
 class _Window:
     start: int
     tokens: list[int] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
+    steps: list[DraftStep] = field(default_factory=list)  # what the policy saw for each token
+    dropped: DraftStep | None = None  # the token the policy dropped after these (Decision.DROP)
     ended: bool = False
     hit_cap: bool = False
 
@@ -94,6 +95,7 @@ class DraftRunner:
         self.strict: dict[int, bool] = {}  # position -> accepted by the lossless rule
         self.js: dict[int, float] = {}
         self.rollback_to: int | None = None  # KV rollback to apply before the next forward
+        self.emitted: dict[int, int] = {}  # position -> committed token, while a dropped token awaits it
         self.wake = asyncio.Event()
         self.num_drafted = 0
         self.draft_seconds = 0.0
@@ -122,6 +124,8 @@ class DraftRunner:
             self.draft_seconds += seconds
             if self.on_step is not None:
                 self.on_step(seconds)
+            if self.policy.resources.costs is not None:
+                self.policy.resources.costs.observe_draft(seconds)
             if epoch != self.epoch or len(self.seq) != len(seq):
                 continue  # a commit changed the sequence meanwhile: this proposal is moot
             self._add(window, d)
@@ -147,13 +151,14 @@ class DraftRunner:
         if d is None:
             return self._end(window, "no_proposal")
         step = DraftStep(len(window.tokens) + 1, len(self.seq) - self.prompt_len, d.token, d.prob,
-                         d.max_prob, d.entropy, d.hidden)
+                         d.max_prob, d.entropy, d.hidden, d.match_len)
         decision = self.policy.decide(step)
         if decision is Decision.DROP:
+            window.dropped = step
             return self._end(window, "policy")
         self.seq.append(d.token)
         window.tokens.append(d.token)
-        window.entropies.append(d.entropy)
+        window.steps.append(step)
         self.num_drafted += 1
         self.publish(Token(self.epoch, len(self.seq) - 1, d.token, d.prob, d.entropy,
                            d.q if self.send_q else None))
@@ -177,6 +182,9 @@ class DraftRunner:
         for i, d in enumerate(c.js_distances):
             self.js[s + i] = d
         nxt = s + n  # position of the recovered or bonus token
+        for w in self.windows:  # a dropped token is judged by the token committed in its place
+            if w.dropped is not None and s <= w.end <= nxt:
+                self.emitted[w.end] = c.tokens[w.end - s]
         has_draft = nxt < len(self.seq)
         if n < c.num_verified:
             self.strict[nxt] = False  # rejected by verification
@@ -214,10 +222,11 @@ class DraftRunner:
         """Feed each judged window back to the policy; forget windows past a rollback."""
         keep = []
         for w in self.windows:
-            if w.start >= len(self.seq) or (w.ended and not w.tokens):
+            if w.start >= len(self.seq) or (w.ended and not w.tokens and w.dropped is None):
                 continue  # drafted on a discarded guess, or an empty window the commit made moot
             judged = [self.strict.get(w.start + i) for i in range(len(w.tokens))]
-            if False in judged or (w.ended and None not in judged):
+            settled = w.ended and None not in judged and (w.dropped is None or w.end in self.emitted)
+            if False in judged or settled:
                 self._observe(w, judged)
             else:
                 keep.append(w)
@@ -226,9 +235,15 @@ class DraftRunner:
         for pos in [p for p in self.strict if p < oldest]:
             del self.strict[pos]
             self.js.pop(pos, None)
+        for pos in [p for p in self.emitted if p < oldest]:
+            del self.emitted[pos]
 
     def _observe(self, w: _Window, judged: list[bool | None]) -> None:
         n = next((i for i, ok in enumerate(judged) if not ok), len(judged))
         js = tuple(self.js[w.start + i] for i in range(len(w.tokens)) if w.start + i in self.js)
         w.ended = True
-        self.policy.observe(RoundOutcome(len(w.tokens), n, tuple(w.entropies), w.hit_cap, js))
+        dropped_accepted = None
+        if w.dropped is not None and n == len(w.tokens) and w.end in self.emitted:
+            dropped_accepted = self.emitted[w.end] == w.dropped.token
+        self.policy.observe(RoundOutcome(len(w.tokens), n, tuple(s.entropy for s in w.steps), w.hit_cap, js,
+                                         tuple(w.steps), w.dropped, dropped_accepted))

@@ -19,7 +19,8 @@ from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
-from specd.policies import POLICIES, PolicyResources, build_policy
+from specd.costs import CostCurve, measure_t_draft
+from specd.policies import POLICIES, PolicyResources, build_policy, policy_class
 
 _CLOSE = object()
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -35,6 +36,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.rpc_metrics = RpcMetrics(self.registry, "draft")
         self.metrics = DraftMetrics(self.registry, drafter.name, lambda: len(self.runners),
                                     lambda: sum(r.session.nbytes() for r in list(self.runners)))
+        # Seconds per draft step: measured at start-up, then a moving average of served steps.
+        vocab = model.vocab_size if model is not None else 1000
+        self.t_draft = measure_t_draft(drafter, [(17 * i + 11) % vocab for i in range(64)], repeats=3)
 
     @property
     def active_sessions(self) -> int:
@@ -91,10 +95,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         overrides = dict(spec.policy_params)
         if spec.max_draft_tokens is not None:
             overrides["max_draft_tokens"] = spec.max_draft_tokens
-        policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head))
+        costs = self._costs(msg) if policy_class(spec.policy).needs_costs else None
+        policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head, costs))
         send_q = msg.send_distributions and self.drafter.has_distribution
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
-                           msg.lookahead, send_q, self.executor, publish, self.metrics.step_s.observe)
+                           msg.lookahead, send_q, self.executor, publish, self._on_step)
+
+    def _costs(self, msg: draft_pb2.OpenDraft) -> CostCurve:
+        """This session's cost curve: the target's (from the coordinator) and this service's t_draft."""
+        if not msg.verify_seconds:
+            raise InvalidRequest("verify_seconds", "the cost-aware policy needs the target's cost curve; "
+                                                   "the coordinator sent none (is the target service older?)")
+        ts = list(msg.verify_seconds)
+        return CostCurve(self.t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds)
+
+    def _on_step(self, seconds: float) -> None:
+        self.metrics.step_s.observe(seconds)
+        self.t_draft += 0.01 * (seconds - self.t_draft)
 
 
 async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:

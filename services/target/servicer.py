@@ -5,7 +5,6 @@ batching of concurrent sessions is services.target.batcher."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.batcher import VerifyBatcher
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
+from specd.costs import measure_t_target
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 
@@ -42,7 +42,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                      lambda: self.batcher.decode_cost.seconds)
         self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch)
         self.max_batch_size = max_batch_size
-        self.batcher.decode_cost.observe(measure_decode_step(target))
+        # The cost curve cost-aware policies weigh windows with; its first point is the start-up
+        # value of the decode cost, which serving then keeps current.
+        self.verify_seconds = measure_verify_seconds(target)
+        self.batcher.decode_cost.observe(self.verify_seconds[0])
 
     @property
     def active_sessions(self) -> int:
@@ -56,7 +59,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher.close()
 
     async def Info(self, request, context) -> target_pb2.TargetInfo:
-        return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size)
+        return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size,
+                                     verify_seconds=self.verify_seconds)
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
         if self.target.tokenizer is None:
@@ -130,17 +134,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest("distributions", str(e)) from None
 
 
-def measure_decode_step(target: LoadedModel, prompt_len: int = 32, steps: int = 9) -> float:
-    """Median seconds of a plain decoding step after a short prompt: the start-up value of the
-    decode cost, before serving refines it."""
-    kv = target.session()
-    try:
-        kv.extend([i % target.vocab_size for i in range(prompt_len)], 1)
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            kv.extend([i % target.vocab_size], 1)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    finally:
-        kv.close()
+def measure_verify_seconds(target: LoadedModel, max_tokens: int = 17) -> list[float]:
+    """Median seconds of a single-session forward over n = 1..max_tokens new tokens after a
+    64-token context (specd.costs): the start-up cost curve."""
+    prefix = [(17 * i + 11) % target.vocab_size for i in range(64)]
+    return measure_t_target(target, prefix, range(1, max_tokens + 1), repeats=3)[1]

@@ -20,7 +20,7 @@ from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import draft_service
 
 PROMPTS = ["Hello there, how are", "abcabc abc xyz abc"]
-POLICIES = ["none", "constant", "heuristic", "max-confidence", "svip", "adaedl", "adasd"]
+POLICIES = ["none", "constant", "heuristic", "max-confidence", "svip", "adaedl", "adasd", "cost-aware"]
 
 
 def generate(target_addr, draft_addr, request, store=None, **cfg):

@@ -10,8 +10,8 @@ from concurrent.futures import Executor, Future
 
 from services.draft.runner import Ack, Commit, DraftRunner, Token, WindowEnd
 from specd.drafters.base import DraftSession, DraftToken
-from specd.policies import build_policy
-from specd.types import SamplingParams
+from specd.policies import Decision, PolicyParams, StoppingPolicy, build_policy
+from specd.types import RoundOutcome, SamplingParams
 
 PROMPT = [1, 2, 3]
 
@@ -154,3 +154,47 @@ def test_a_rejection_inside_the_open_window_rolls_it_back():
         task.cancel()
 
     asyncio.run(run())
+
+
+class DropFirst(StoppingPolicy):
+    """Drops every window's first token and records what it is told."""
+
+    name = "drop-first"
+
+    def __init__(self):
+        super().__init__(PolicyParams())
+        self.outcomes: list[RoundOutcome] = []
+
+    def decide(self, step):
+        return Decision.DROP
+
+    def observe(self, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_a_dropped_token_is_judged_by_the_token_committed_in_its_place():
+    """A policy that declines to speculate still learns whether its guess was right: the
+    target's plain step at that position says so (the cost-aware policy recalibrates on it)."""
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        policy = DropFirst()
+        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=1,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        executor.step()  # proposes draft_of(3); dropped
+        await settle()
+        assert [(e.start, e.end) for e in events if isinstance(e, WindowEnd)] == [(3, 3)]
+        assert not executor.pending  # an empty window: nothing to draft from until the commit
+        runner.commit(Commit(1, (draft_of(3),), num_verified=0, num_strict=0))  # the target agreed
+        await settle()
+        executor.step()  # proposes draft_of(4); dropped
+        await settle()
+        runner.commit(Commit(2, (5,), num_verified=0, num_strict=0))  # the target did not
+        task.cancel()
+        return policy
+
+    policy = asyncio.run(run())
+    assert [(o.num_drafted, o.dropped.token, o.dropped_accepted) for o in policy.outcomes] == [
+        (0, draft_of(3), True), (0, draft_of(4), False)]

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "max_batch_size")
+    __slots__ = ("model", "max_batch_size", "verify_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_batch_size: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    verify_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
