@@ -16,10 +16,10 @@ from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
+from specd.costs import CostCurve, measure_t_draft
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
-from specd.costs import CostCurve, measure_t_draft
 from specd.policies import POLICIES, PolicyResources, build_policy, policy_class
 
 _CLOSE = object()

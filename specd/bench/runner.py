@@ -17,7 +17,7 @@ from specd.bench.metrics import peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.policies import OraclePolicy
+from specd.policies import NO_SPECULATION, OraclePolicy, policy_class
 from specd.types import SamplingParams, SpecParams
 
 
@@ -95,6 +95,9 @@ class BenchRun:
         SpeculativeEngine(self.m.target).generate(prompt, short, SpecParams("none"))
         for drafter in self.m.drafters.values():
             SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
+        for c in self.configs:  # the start-up cost-curve measurement, before any timed run
+            if not c.skip and c.policy != NO_SPECULATION and policy_class(c.policy).needs_costs:
+                _ = self.engines[c.drafter].costs
 
     def run_all(self, progress: bool = True) -> None:
         active = [c for c in self.configs if not c.skip]
