@@ -21,7 +21,6 @@ from specd.policies import NO_SPECULATION, OraclePolicy, policy_class
 from specd.types import SamplingParams, SpecParams
 
 
-
 @dataclass
 class Models:
     target: object
