@@ -66,7 +66,7 @@ def _add_generate(sub) -> None:
     _add_model_args(g)
     g.add_argument("--policy", default="heuristic",
                    help="none | constant | heuristic | max-confidence | svip | adaedl | adasd | "
-                        "specdec++ | oracle (default: heuristic; none = target alone)")
+                        "specdec++ | cost-aware | oracle (default: heuristic; none = target alone)")
     g.add_argument("--policy-param", type=_policy_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override a policy hyperparameter, e.g. --policy-param h=0.4 (repeatable)")
     g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specd.costs import CostCurve
 from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
@@ -168,3 +169,17 @@ def test_closing_a_run_frees_its_caches(tiny_target, tiny_draft):
     run.close()
     assert run.target_kv.cache is None and run.draft_session.kv.cache is None
     assert run.result().stats.finish_reason == "cancelled"
+
+
+def test_cost_curve_is_measured_only_when_a_policy_needs_it_and_follows_the_rounds(tiny_target, tiny_draft):
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target))
+    engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8), SpecParams("constant"))
+    assert engine._costs is None  # nobody asked: no start-up measurement
+    # A curve that claims every forward takes 10 s and every draft step 1 s: the rounds this
+    # engine runs pull both towards what the tiny models really take (milliseconds).
+    slow = CostCurve(1.0, list(range(1, 18)), [10.0] * 17)
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target), costs=slow)
+    out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("cost-aware"))
+    assert out.token_ids == SpeculativeEngine(tiny_target).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("none")).token_ids
+    assert engine.costs is slow and slow.scale < 0.9 and slow.t_draft < 0.9
