@@ -16,7 +16,6 @@ from specd import __version__
 from specd.errors import InvalidRequest, SpecdError
 
 
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not usage + message
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -175,7 +174,7 @@ def cmd_generate(args) -> int:
         raise InvalidRequest("prompt", "must not be empty")
     target, drafter = _load(args) if args.policy != "none" else (_load_target(args), None)
     head = _specdecpp_head(args, target, drafter) if args.policy == "specdec++" else None
-    engine = SpeculativeEngine(target, drafter, specdecpp_head=head)
+    engine = SpeculativeEngine(target, drafter, specdecpp_head=head, costs_cache_dir=_cache_dir(args))
     prompt = target.encode_prompt(args.prompt, args.chat)
     reference = None
     if args.policy == "oracle":  # analysis only: the oracle needs the target-only answer first
@@ -192,6 +191,12 @@ def cmd_generate(args) -> int:
               f"{stats['verifications']} verifications, {stats['mean_accepted_tokens']:.2f} tokens/verification"
               f"{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
     return 0
+
+
+def _cache_dir(args) -> Path:
+    from specd.models.embedded import default_cache_dir
+
+    return args.cache_dir or default_cache_dir()
 
 
 def _load_target(args):

@@ -17,12 +17,18 @@ runs on: on a CPU t_target(n) grows steeply with n, on a GPU it is nearly flat.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from specd.types import SamplingParams
 
@@ -71,6 +77,11 @@ class CostCurve:
     def to_dict(self) -> dict:
         return {"t_draft_s": self.t_draft, "k": list(self.ks),
                 "t_target_s": [self.scale * t for t in self.t_target_k], "overhead_s": self.overhead}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls(float(d["t_draft_s"]), [int(k) for k in d["k"]], [float(t) for t in d["t_target_s"]],
+                   float(d.get("overhead_s", 0.0)))
 
 
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
@@ -130,3 +141,41 @@ def measure_cost_curve(target, drafter, max_window: int = 16, prefix_len: int = 
     prefix = [(17 * i + 11) % target.vocab_size for i in range(prefix_len)]  # any ids: cost is in the shape
     ks, ts, _ = measure_t_target(target, prefix, range(1, max_window + 2), repeats)
     return CostCurve(measure_t_draft(drafter, prefix, repeats), ks, ts)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def curve_key(target, drafter) -> str:
+    """What a measured curve is valid for: the pair, where and how it runs, and on what."""
+    dtype = next(target.model.parameters()).dtype
+    ident = [target.name, drafter.name, str(target.device), str(dtype), torch.get_num_threads(), cpu_model(),
+             torch.__version__]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def cached_cost_curve(target, drafter, cache_dir: Path) -> CostCurve:
+    """measure_cost_curve, kept under cache_dir/costs/ per pair, device, dtype, threads, CPU and
+    torch version, so a one-shot command pays the start-up measurement once per machine (the
+    level is refreshed while serving anyway; the shape is what the measurement is for)."""
+    path = Path(cache_dir) / "costs" / f"{curve_key(target, drafter)}.json"
+    try:
+        return CostCurve.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    curve = measure_cost_curve(target, drafter)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(curve.to_dict()))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the whole new one
+    except OSError:
+        pass  # a read-only cache: measure again next time
+    return curve

@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from specd.costs import CostCurve, measure_cost_curve
+from specd.costs import CostCurve, cached_cost_curve, measure_cost_curve
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
@@ -51,21 +52,26 @@ class SpeculativeEngine:
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
                  state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None,
-                 costs: CostCurve | None = None):
+                 costs: CostCurve | None = None, costs_cache_dir: Path | None = None):
         self.target = target
         self.drafter = drafter
         self.state_store = state_store if state_store is not None else MemoryStateStore()
         self.specdecpp_head = specdecpp_head
         self._costs = costs
+        self.costs_cache_dir = costs_cache_dir  # keep the start-up measurement on disk (one-shot commands)
 
     @property
     def costs(self) -> CostCurve:
-        """The pair's cost curve: measured on first use (a few seconds on a CPU), then refreshed
-        by every round this engine runs."""
+        """The pair's cost curve: measured on first use (a few seconds on a CPU; read from
+        costs_cache_dir when one is given and holds it), then refreshed by every round this
+        engine runs."""
         if self._costs is None:
             if self.drafter is None:
                 raise InvalidRequest("policy", "a cost curve needs a drafter")
-            self._costs = measure_cost_curve(self.target, self.drafter)
+            if self.costs_cache_dir is not None:
+                self._costs = cached_cost_curve(self.target, self.drafter, self.costs_cache_dir)
+            else:
+                self._costs = measure_cost_curve(self.target, self.drafter)
         return self._costs
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -79,7 +85,7 @@ class SpeculativeEngine:
         return run.result()
 
     def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-              spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> "GenerationRun":
+              spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> GenerationRun:
         """A request to iterate round by round (each step yields the newly emitted ids)."""
         return GenerationRun(self, list(prompt_ids), sampling, spec, reference)
 

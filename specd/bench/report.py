@@ -16,27 +16,17 @@ import torch
 from specd.bench.configs import BASELINE
 from specd.bench.metrics import aggregate
 from specd.bench.peers import sklearn_available
-
+from specd.costs import cpu_model
 
 
 def machine_info(run) -> dict:
     import transformers
 
     target = run.m.target
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def results_doc(run, oracle: dict) -> dict:

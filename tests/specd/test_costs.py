@@ -1,0 +1,37 @@
+"""The cost curve: interpolation, the on-disk cache of the start-up measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd import costs
+from specd.costs import CostCurve, cached_cost_curve, curve_key
+from specd.drafters import NgramDrafter
+
+
+def test_interpolates_inside_and_extrapolates_a_line_beyond():
+    curve = CostCurve(0.001, [1, 2, 4], [0.010, 0.020, 0.040])
+    assert curve.t_target(3) == pytest.approx(0.030)
+    assert curve.t_target(8) == pytest.approx(0.080)  # the least-squares line through the points
+    assert curve.round_time(2) == pytest.approx(2 * 0.001 + 0.030)
+
+
+def test_start_up_measurement_is_cached_per_pair_and_machine(tiny_target, tmp_path, monkeypatch):
+    drafter = NgramDrafter()
+    first = cached_cost_curve(tiny_target, drafter, tmp_path)
+    path = tmp_path / "costs" / f"{curve_key(tiny_target, drafter)}.json"
+    assert json.loads(path.read_text())["k"] == list(range(1, 18))
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although the cache holds the curve")
+
+    monkeypatch.setattr(costs, "measure_cost_curve", no_measuring)
+    again = cached_cost_curve(tiny_target, drafter, tmp_path)
+    assert again.to_dict() == first.to_dict()
+    # another drafter is another pair: its own entry
+    assert curve_key(tiny_target, NgramDrafter(max_ngram=3)) != curve_key(tiny_target, drafter)
+    path.write_text("{not json")  # a damaged entry is measured anew, not an error
+    monkeypatch.undo()
+    assert cached_cost_curve(tiny_target, drafter, tmp_path).ks == list(range(1, 18))
