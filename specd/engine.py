@@ -203,6 +203,8 @@ class GenerationRun:
         t0 = time.perf_counter()
         policy, session, seq = self.policy, self.draft_session, self.seq
         policy.begin_round()
+        if not policy.should_draft():
+            return drafts, qs, steps, dropped, False
         hit_cap = False
         while True:
             d = session.next(seq, self.sampling, self.generator, policy.needs_hidden)

@@ -145,6 +145,9 @@ class DraftRunner:
         self.policy.begin_round()
         window = _Window(len(self.seq))
         self.windows.append(window)
+        if not self.policy.should_draft():
+            self._end(window, "policy")  # an empty window: the coordinator verifies a plain step
+            return None
         return window
 
     def _add(self, window: _Window, d: DraftToken | None) -> None:

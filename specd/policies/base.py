@@ -97,6 +97,11 @@ class StoppingPolicy(ABC):
     def begin_round(self) -> None:
         """Called before the first token of each round is drafted."""
 
+    def should_draft(self) -> bool:
+        """Asked after begin_round: False skips drafting this round, which is then one plain
+        decoding step (a policy that expects drafting not to pay for its cost)."""
+        return True
+
     @abstractmethod
     def decide(self, step: DraftStep) -> Decision:
         """After drafting step.index tokens this round: continue, stop, or drop this token."""

@@ -22,7 +22,10 @@ This is the expected-throughput form of SpecDec++ Thm 4.3 (stop when P(some draf
 rejected) exceeds c2 / (c1 + c2 + overhead)) with the whole measured curve in place of a
 constant cost ratio: where verification is nearly flat in n (a GPU) it drafts long windows,
 where it is steep (a CPU) short ones, with the same code and no tuning. Dropping is also how it
-declines to speculate at all: a first token it does not believe in is verified as a plain step.
+declines to speculate on one round: a first token it does not believe in is verified as a plain
+step. And when the rounds that drafted have, all told, emitted tokens more slowly than plain steps
+would have (the drafter's own time is not earned back), it stops drafting altogether, except
+every `explore`-th round, which keeps its estimates current.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from specd.types import DraftStep, RoundOutcome
 
 MAX_MATCH_BIN = 8  # n-gram matches of 8 tokens or more share a bin
 MAX_INDEX_BIN = 4  # so do window positions 4 and later
+PAYOFF_MARGIN = 0.98  # drafting must realise at least this fraction of the plain step's rate
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class CostAwareParams(PolicyParams):
                                           "drafters' bins start at q(x))")
     prior_weight: float = bounded(2.0, 0.0, 1000.0, "pseudo-observations behind each prior")
     memory: float = bounded(500.0, 10.0, 1e6, "about how many recent outcomes each bin remembers")
+    explore: int = bounded(16, 1, 1_000_000, "while drafting does not pay, still draft every n-th round "
+                                             "to notice when it does again")
 
 
 def feature_bin(step: DraftStep) -> str:
@@ -65,18 +71,21 @@ class CostAwarePolicy(StoppingPolicy):
             raise InvalidRequest("policy", "cost-aware needs the measured cost curve of this draft/target pair")
         self.costs = self.resources.costs
         self.decay = 1.0 - 1.0 / params.memory
+        self.rounds = 0
         self.begin_round()
 
     # -- the calibration table (shared state) ------------------------------------------------
     def load_state(self, state: dict[str, float]) -> None:
         self.table: dict[str, list[float]] = {}  # bin -> [accepted weight, rejected weight]
+        # What drafting rounds realised: decayed sums of tokens emitted and of their cost.
+        self.paid = [float(state.get("rounds:emitted", 0.0)), float(state.get("rounds:seconds", 0.0))]
         for key, value in state.items():
             name, _, kind = key.rpartition(":")
-            if name and kind in ("a", "r"):
+            if name and name != "rounds" and kind in ("a", "r"):
                 self.table.setdefault(name, [0.0, 0.0])[kind == "r"] = float(value)
 
     def state(self) -> dict[str, float]:
-        out = {}
+        out = {"rounds:emitted": self.paid[0], "rounds:seconds": self.paid[1]}
         for name, (acc, rej) in self.table.items():
             out[f"{name}:a"], out[f"{name}:r"] = acc, rej
         return out
@@ -102,6 +111,18 @@ class CostAwarePolicy(StoppingPolicy):
     def begin_round(self) -> None:
         self.survive = 1.0  # P(every token drafted so far this round is accepted)
         self.expected = 1.0  # expected tokens emitted by verifying what is drafted so far
+
+    def should_draft(self) -> bool:
+        """Draft unless the rounds that drafted have realised less than plain steps would (the
+        drafter costs more than it saves: an untrained model drafter on a CPU), and even then
+        every `explore`-th round, so the policy notices when drafting pays again."""
+        self.rounds += 1
+        emitted, seconds = self.paid
+        if seconds <= 0 or self.rounds % self.params.explore == 0:
+            return True
+        if self.costs.t_draft < (1 - PAYOFF_MARGIN) * self.costs.round_time(0):
+            return True  # a nearly free look at the first draft token (n-gram) is always worth it
+        return emitted / seconds >= PAYOFF_MARGIN / self.costs.round_time(0)
 
     def decide(self, step: DraftStep) -> Decision:
         costs, k = self.costs, step.index
@@ -131,6 +152,8 @@ class CostAwarePolicy(StoppingPolicy):
 
     def observe(self, outcome: RoundOutcome) -> None:
         n = outcome.num_accepted
+        cost = self.costs.round_time(outcome.num_drafted) + (self.costs.t_draft if outcome.dropped else 0.0)
+        self.paid = [self.decay * self.paid[0] + n + 1, self.decay * self.paid[1] + cost]
         for i, st in enumerate(outcome.steps[:n + 1]):  # judged: the accepted ones and the first rejection
             self._learn(feature_bin(st), i < n)
         if outcome.dropped is not None and outcome.dropped_accepted is not None:

@@ -198,3 +198,30 @@ def test_a_dropped_token_is_judged_by_the_token_committed_in_its_place():
     policy = asyncio.run(run())
     assert [(o.num_drafted, o.dropped.token, o.dropped_accepted) for o in policy.outcomes] == [
         (0, draft_of(3), True), (0, draft_of(4), False)]
+
+
+class NeverDraft(DropFirst):
+    name = "never-draft"
+
+    def should_draft(self):
+        return False
+
+
+def test_a_policy_that_skips_drafting_gets_plain_steps():
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), NeverDraft(), SamplingParams(), PROMPT, max_length=64, lookahead=2,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        assert not executor.pending  # nothing drafted
+        runner.commit(Commit(1, (42,), num_verified=0, num_strict=0))
+        await settle()
+        task.cancel()
+        return events
+
+    events = asyncio.run(run())
+    assert [(e.start, e.end, e.reason) for e in events if isinstance(e, WindowEnd)] == [
+        (3, 3, "policy"), (4, 4, "policy")]  # an empty window per round: verify a plain step
+    assert not [e for e in events if isinstance(e, Token)]

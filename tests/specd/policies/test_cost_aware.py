@@ -114,3 +114,23 @@ def test_cost_curve_follows_observed_forwards():
     assert curve.t_target(4) == pytest.approx(0.080, rel=0.01)  # the whole curve, not just n = 2
     assert curve.t_draft == pytest.approx(0.003, rel=0.01)
     assert curve.round_time(3) == pytest.approx(3 * 0.003 + 0.080, rel=0.01)
+
+
+def test_stops_drafting_when_the_drafter_does_not_earn_its_time_back_but_keeps_looking():
+    # An untrained early-exit drafter on a CPU: a draft step costs half a target step and its
+    # tokens are almost never right.
+    slow_draft = CostCurve(0.016, [1, 2, 4, 6, 8, 17], [0.033, 0.045, 0.053, 0.053, 0.062, 0.075])
+    p = policy(slow_draft, explore=8)
+    assert p.should_draft()  # no evidence yet
+    for _ in range(50):
+        p.observe(RoundOutcome(1, 0, (0.5,), False, (), (model_step(1, 0.55),)))
+    decisions = [p.should_draft() for _ in range(32)]
+    assert decisions.count(True) == 4 and all(decisions[i] for i in range(6, 32, 8))  # every 8th round
+    # the same evidence with a nearly free drafter (n-gram): looking at the first token costs nothing
+    q = policy(CPU, p.state(), explore=8)
+    assert all(q.should_draft() for _ in range(32))
+    # and a drafter that pays for itself keeps drafting
+    good = policy(slow_draft, explore=8)
+    for _ in range(50):
+        good.observe(RoundOutcome(3, 3, (0.5,) * 3, False, (), tuple(model_step(i, 0.95) for i in (1, 2, 3))))
+    assert all(good.should_draft() for _ in range(32))
