@@ -42,7 +42,7 @@ def add_command(sub) -> None:
     b.add_argument("--limit", type=int, default=5)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--drafter", default="ngram", help="ngram | early-exit")
-    b.add_argument("--policies", default="constant,heuristic", help="comma list")
+    b.add_argument("--policies", default="constant,cost-aware", help="comma list")
     b.add_argument("--target-model", default="embedded")
     b.add_argument("--no-pin", action="store_true", help="do not pin target and draft to their own cores")
     b.add_argument("--out", type=Path, default=Path("bench-services-out"))

@@ -47,7 +47,7 @@ def add_commands(sub) -> None:
     up.add_argument("--drafter", default="ngram", help="ngram (default) | early-exit | hf")
     up.add_argument("--draft-model", help="transformers directory for --drafter hf")
     up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
-    up.add_argument("--policy", default="heuristic", help="default stopping policy of requests")
+    up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
     up.add_argument("--no-overlap", action="store_true", help="turn PEARL overlap off")
     up.add_argument("--redis-url", help="Redis for shared policy state (default: in-process memory)")
     up.add_argument("--no-sample", action="store_true", help="do not send the sample request")

@@ -63,9 +63,9 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text in-process with speculative decoding")
     g.add_argument("prompt", help="the prompt (a user message when --chat)")
     _add_model_args(g)
-    g.add_argument("--policy", default="heuristic",
+    g.add_argument("--policy", default="cost-aware",
                    help="none | constant | heuristic | max-confidence | svip | adaedl | adasd | "
-                        "specdec++ | cost-aware | oracle (default: heuristic; none = target alone)")
+                        "specdec++ | cost-aware | oracle (default: cost-aware; none = target alone)")
     g.add_argument("--policy-param", type=_policy_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override a policy hyperparameter, e.g. --policy-param h=0.4 (repeatable)")
     g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")

@@ -11,7 +11,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, backend: Backend, default_policy: str = "heuristic"):
+    def __init__(self, backend: Backend, default_policy: str = "cost-aware"):
         self.backend, self.default_policy = backend, default_policy
 
     async def Info(self, request, context) -> coordinator_pb2.CoordinatorInfo:

@@ -203,7 +203,7 @@ class EventStream(StreamingResponse):
 
 # -- the app ----------------------------------------------------------------------------------
 
-def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "heuristic",
+def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "cost-aware",
                api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None) -> FastAPI:
     """The gateway over `backend`. With api_keys, /v1 routes need `Authorization: Bearer <key>`;
     /health and /metrics stay open for probes and Prometheus. /metrics serves `registry` (an

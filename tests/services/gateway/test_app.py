@@ -48,7 +48,7 @@ def test_chat_completion(http, local_backend):
     assert choice["finish_reason"] in ("stop", "length")
     usage = out["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert STAT_KEYS <= out["spec_stats"].keys() and out["spec_stats"]["policy"] == "heuristic"
+    assert STAT_KEYS <= out["spec_stats"].keys() and out["spec_stats"]["policy"] == "cost-aware"
 
 
 def test_streamed_chat_adds_up_to_the_plain_answer(http):
