@@ -182,4 +182,4 @@ def test_cost_curve_is_measured_only_when_a_policy_needs_it_and_follows_the_roun
     out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("cost-aware"))
     assert out.token_ids == SpeculativeEngine(tiny_target).generate(
         PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("none")).token_ids
-    assert engine.costs is slow and slow.scale < 0.9 and slow.t_draft < 0.9
+    assert engine.costs is slow and slow.scale < 0.9 and slow.t_draft < 1.0
