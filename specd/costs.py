@@ -134,11 +134,15 @@ def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(ra
     return list(ks), ts, t_prefill
 
 
-def measure_cost_curve(target, drafter, max_window: int = 16, prefix_len: int = 64,
-                       repeats: int = 3) -> CostCurve:
-    """The start-up measurement: forwards of 1..max_window + 1 tokens after a prefix_len-token
-    context, and single draft steps after the same context."""
-    prefix = [(17 * i + 11) % target.vocab_size for i in range(prefix_len)]  # any ids: cost is in the shape
+def synthetic_prefix(vocab_size: int, length: int = 64) -> list[int]:
+    """The context the start-up measurements run after: any ids do, cost depends on the shape."""
+    return [(17 * i + 11) % vocab_size for i in range(length)]
+
+
+def measure_cost_curve(target, drafter, max_window: int = 16, repeats: int = 3) -> CostCurve:
+    """The start-up measurement: forwards of 1..max_window + 1 tokens after a 64-token context,
+    and single draft steps after the same context."""
+    prefix = synthetic_prefix(target.vocab_size)
     ks, ts, _ = measure_t_target(target, prefix, range(1, max_window + 2), repeats)
     return CostCurve(measure_t_draft(drafter, prefix, repeats), ks, ts)
 

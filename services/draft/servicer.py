@@ -16,7 +16,7 @@ from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
-from specd.costs import CostCurve, measure_t_draft
+from specd.costs import CostCurve, measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
@@ -37,8 +37,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics = DraftMetrics(self.registry, drafter.name, lambda: len(self.runners),
                                     lambda: sum(r.session.nbytes() for r in list(self.runners)))
         # Seconds per draft step: measured at start-up, then a moving average of served steps.
-        vocab = model.vocab_size if model is not None else 1000
-        self.t_draft = measure_t_draft(drafter, [(17 * i + 11) % vocab for i in range(64)], repeats=3)
+        prefix = synthetic_prefix(model.vocab_size if model is not None else 1000)
+        self.t_draft = measure_t_draft(drafter, prefix, repeats=3)
 
     @property
     def active_sessions(self) -> int:

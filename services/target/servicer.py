@@ -24,7 +24,7 @@ from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.batcher import VerifyBatcher
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
-from specd.costs import measure_t_target
+from specd.costs import measure_t_target, synthetic_prefix
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 
@@ -137,5 +137,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 def measure_verify_seconds(target: LoadedModel, max_tokens: int = 17) -> list[float]:
     """Median seconds of a single-session forward over n = 1..max_tokens new tokens after a
     64-token context (specd.costs): the start-up cost curve."""
-    prefix = [(17 * i + 11) % target.vocab_size for i in range(64)]
-    return measure_t_target(target, prefix, range(1, max_tokens + 1), repeats=3)[1]
+    return measure_t_target(target, synthetic_prefix(target.vocab_size), range(1, max_tokens + 1), repeats=3)[1]

@@ -52,10 +52,14 @@ class CostAwareParams(PolicyParams):
                                              "to notice when it does again")
 
 
+def ngram_bin(match_len: int, index: int) -> str:
+    return f"n{min(match_len, MAX_MATCH_BIN)}i{min(index, MAX_INDEX_BIN)}"
+
+
 def feature_bin(step: DraftStep) -> str:
     """The calibration bin of a drafted token."""
     if step.match_len > 0:
-        return f"n{min(step.match_len, MAX_MATCH_BIN)}i{min(step.index, MAX_INDEX_BIN)}"
+        return ngram_bin(step.match_len, step.index)
     return f"q{min(int(step.prob * 10), 9)}"
 
 
@@ -141,7 +145,7 @@ class CostAwarePolicy(StoppingPolicy):
         survive, expected, best = self.survive, self.expected, 0.0
         for m in range(1, min(self.params.horizon, self.params.max_draft_tokens - k) + 1):
             if step.match_len > 0:  # the match's next token: same match, one position later
-                survive *= self.estimate(f"n{min(step.match_len, MAX_MATCH_BIN)}i{min(k + m, MAX_INDEX_BIN)}")
+                survive *= self.estimate(ngram_bin(step.match_len, k + m))
             else:  # a model drafter: assume the next tokens are as good as this one
                 survive *= self.estimate(feature_bin(step))
             expected += survive
