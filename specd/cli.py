@@ -38,10 +38,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                       "train-head's: early-exit)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
-    p.add_argument("--draft-adapter", help="trained early-exit adapter (safetensors)")
+    p.add_argument("--draft-adapter", help="trained early-exit adapter (safetensors; default: the one "
+                                           "bundled for the embedded target at 4 layers; 'none': untrained)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA if present)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
-                                                   "(auto: bfloat16 on CUDA, float32 on CPU)")
+                                                   "(auto: float32, the lossless choice; bfloat16 "
+                                                   "output may drift from the target alone by rounding)")
     p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
 
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_train_head(sub)
+    _add_train_drafter(sub)
     _add_bench(sub)
     from services.cli import add_commands  # serve and up: the service processes
 
@@ -97,6 +100,43 @@ def _add_train_head(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", type=Path, required=True, help="where to write the head (safetensors)")
     t.set_defaults(func=cmd_train_head)
+
+
+def _add_train_drafter(sub) -> None:
+    t = sub.add_parser("train-drafter", help="train a drafter on the target's own answers (corpus made here)")
+    t.add_argument("--kind", default="early-exit", choices=["early-exit"], help="drafter to train")
+    t.add_argument("--out", type=Path, required=True, help="where to write the adapter (safetensors)")
+    t.add_argument("--target-model", default="embedded",
+                   help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
+    t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (a GPU is far faster)")
+    t.add_argument("--dtype", default="auto", help="auto (float32) | float32 | bfloat16 | float16")
+    t.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept")
+    t.add_argument("--work-dir", type=Path, help="corpus shards and checkpoints; a rerun resumes from them "
+                                                 "(default: CACHE_DIR/train/TARGET)")
+    c = t.add_argument_group("corpus (the target answers prompts)")
+    c.add_argument("--positions", type=int, default=1_000_000, help="answer tokens to collect")
+    c.add_argument("--prompts", type=Path, action="append", default=[],
+                   help="extra JSONL prompt file with 'turns' (repeatable; templates and self-instruct "
+                        "prompts are always used)")
+    c.add_argument("--self-instruct", type=int, default=1000, help="questions the target writes itself")
+    c.add_argument("--temperatures", default="0,1", help="comma list the answers cycle through")
+    c.add_argument("--gen-batch-size", type=int, default=32, help="prompts answered per batch")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    a = t.add_argument_group("drafter and training")
+    a.add_argument("--layers", type=int, default=4, help="target layers the drafter keeps")
+    a.add_argument("--adapter", default="mlp", choices=["mlp", "layer"],
+                   help="mlp: residual MLP; layer: one extra decoder layer (Kangaroo)")
+    a.add_argument("--rank", type=int, default=256, help="the residual MLP's width")
+    a.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft over the N most frequent answer tokens only (FR-Spec); 0 = whole vocabulary")
+    a.add_argument("--epochs", type=int, default=2)
+    a.add_argument("--lr", type=float, default=1e-3)
+    a.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per training batch")
+    a.add_argument("--eval-prompts", type=Path, action="append", default=[],
+                   help="held-out JSONL prompt file: answered greedily once, agreement reported (repeatable)")
+    a.add_argument("--eval-max-new-tokens", type=int, default=128)
+    a.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train_drafter)
 
 
 def _add_bench(sub) -> None:
@@ -213,6 +253,42 @@ def cmd_train_head(args) -> int:
     report = train_head_from_prompts(target, drafter, args.prompts, args.limit, args.max_new_tokens,
                                      args.temperature, args.epochs, args.out, args.seed)
     report["wall_time_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from specd.models import load_model
+    from specd.training.corpus import answer_prompts, build_corpus, file_prompts, read_shard, write_shard
+    from specd.training.early_exit import train_early_exit
+
+    try:
+        temperatures = [float(x) for x in _comma_list(args.temperatures) or ()]
+    except ValueError:
+        raise InvalidRequest("temperatures", f"expected a comma list of numbers, got {args.temperatures!r}") from None
+    for name in ("positions", "gen_batch_size", "max_new_tokens", "epochs", "batch_tokens", "rank"):
+        if getattr(args, name) < 1:
+            raise InvalidRequest(name, f"must be at least 1, got {getattr(args, name)}")
+    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir)
+    work = args.work_dir or _cache_dir(args) / "train" / target.name
+    started = time.perf_counter()
+    corpus = build_corpus(target, work, args.positions, prompt_files=args.prompts, self_instruct=args.self_instruct,
+                          temperatures=temperatures, batch_size=args.gen_batch_size,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+    evals = {}
+    for path in args.eval_prompts:  # answered once, kept beside the corpus
+        saved = work / f"eval-{path.stem}-{args.eval_max_new_tokens}.safetensors"
+        if not saved.is_file():
+            write_shard(saved, answer_prompts(target, file_prompts([path]), 0.0, args.eval_max_new_tokens,
+                                              args.gen_batch_size, args.seed), 0.0)
+        evals[path.stem] = read_shard(saved)
+    seqs = list(corpus)
+    report = train_early_exit(
+        target, seqs, args.out, layers=args.layers, adapter=args.adapter, rank=args.rank,
+        draft_vocab=args.draft_vocab or None, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+        eval_seqs=evals, seed=args.seed, checkpoint=work / f"ckpt-{args.out.stem}.pt")
+    report["wall_time_s"] = round(time.perf_counter() - started, 1)
+    report["out"] = str(args.out)
     print(json.dumps(report, indent=2))
     return 0
 

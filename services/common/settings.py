@@ -45,7 +45,9 @@ class DraftSettings(ModelSettings):
     target_model: str = Field("embedded", description="the target model: early-exit drafts with its layers")
     draft_model: str | None = Field(None, description="transformers directory for --drafter hf")
     draft_layers: int = Field(4, ge=1, le=256, description="target layers used by early-exit")
-    draft_adapter: Path | None = Field(None, description="trained early-exit adapter (safetensors)")
+    draft_adapter: Path | None = Field(None, description="trained early-exit adapter (safetensors; default: "
+                                                         "the bundled one for the embedded target at 4 "
+                                                         "layers; 'none': untrained)")
     specdecpp_head: Path | None = Field(None, description="SpecDec++ head (default: the bundled one)")
 
 

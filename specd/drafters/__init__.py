@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
-from specd.drafters.early_exit import EarlyExitDrafter
+from specd.drafters.early_exit import NO_ADAPTER, EarlyExitDrafter, bundled_adapter_path
 from specd.drafters.hf import HfDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.errors import InvalidRequest
@@ -21,6 +21,11 @@ def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | Non
             raise InvalidRequest("draft_model", "the hf drafter needs a draft model directory")
         return HfDrafter(draft_model, target)
     if kind == "early-exit":
+        # No adapter named: the one specd ships for this target and depth, if any; "none": untrained.
+        if adapter_path is None:
+            adapter_path = bundled_adapter_path(target.name, draft_layers)
+        elif str(adapter_path) == NO_ADAPTER:
+            adapter_path = None
         return EarlyExitDrafter(target, draft_layers, adapter_path)
     if kind == "ngram":
         return NgramDrafter()

@@ -2,18 +2,31 @@
 Liu et al. 2024; DVI). The weights are shared with the target, so the drafter costs no
 memory beyond an adapter and its own KV cache.
 
-An adapter sits between the shallow hidden state and the LM head:
-    logits = lm_head(h + up(silu(down(h))))
-with `up` zero-initialised, so an untrained adapter is the identity. Untrained, the shallow
-model agrees with the target on few tokens; training the adapter is what makes it useful.
+An adapter sits between the shallow model and the LM head. Two kinds:
+  mlp    logits = head(a(norm(h_k))),  a(h) = h + up(silu(down(h)))   (rank r, `up` zero-
+         initialised, so an untrained adapter is the identity)
+  layer  one extra decoder layer on h_k (Kangaroo's adapter), a copy of target layer k
+         (initialised as the target's own next layer), then norm, the mlp adapter and head
+Untrained, the shallow model agrees with the target on few tokens; `specd train-drafter`
+trains the adapter by distillation from the target (specd.training.early_exit).
+
+A trained adapter may also carry a reduced draft vocabulary (FR-Spec, Zhao et al. 2025):
+only the LM-head rows of the most frequent tokens are computed, which cuts the head's cost
+(it dominates a shallow drafter) by the vocabulary ratio. Other tokens get probability 0 in
+q; verification stays exact because the target's residual covers them.
+
+An adapter file (safetensors) records its layers, kind and rank in its metadata, so
+`--draft-adapter PATH` alone configures the drafter.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -21,6 +34,17 @@ from specd.drafters.base import Drafter, ModelDraftSession
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 from specd.models.session import KVSession
+
+ADAPTERS = ("mlp", "layer")
+NO_ADAPTER = "none"  # --draft-adapter none: the untrained (identity) adapter
+DATA = Path(__file__).resolve().parent.parent / "data"
+# Trained adapters shipped with specd, by (target, layers): `specd train-drafter` made them
+# (docs/engine.md gives the command); used when no adapter is named.
+BUNDLED_ADAPTERS = {("smollm2-135m-instruct", 4): DATA / "smollm2-ee4-layer-v8k.safetensors"}
+
+
+def bundled_adapter_path(target_name: str, layers: int) -> Path | None:
+    return BUNDLED_ADAPTERS.get((target_name, layers))
 
 
 class ResidualAdapter(nn.Module):
@@ -34,27 +58,57 @@ class ResidualAdapter(nn.Module):
         return h + self.up(nn.functional.silu(self.down(h)))
 
 
+def read_adapter_meta(path: str | Path) -> dict:
+    """The metadata of an adapter file: layers, adapter, rank (and what it was trained on)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"adapter file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise ModelError(f"adapter {path} is not a safetensors file: {e}") from e
+    return {k: (json.loads(v) if k == "train" else v) for k, v in meta.items()}
+
+
 class EarlyExitDrafter(Drafter):
     kind = "early-exit"
 
-    def __init__(self, target: LoadedModel, layers: int = 4, adapter_path: str | Path | None = None):
+    def __init__(self, target: LoadedModel, layers: int = 4, adapter_path: str | Path | None = None,
+                 adapter: str = "mlp", rank: int = 64):
+        meta = read_adapter_meta(adapter_path) if adapter_path is not None else {}
+        # A trained adapter fixes the drafter's shape: its layers, kind and rank win.
+        layers = int(meta.get("layers", layers))
+        adapter = meta.get("adapter", adapter)
+        rank = int(meta.get("rank", rank))
         base = target.model.get_decoder()
         total = len(base.layers)
         if not 1 <= layers < total:
             raise InvalidRequest("draft_layers", f"must be in [1, {total - 1}] for this target, got {layers}")
+        if adapter not in ADAPTERS:
+            raise InvalidRequest("adapter", f"unknown adapter {adapter!r} ({', '.join(ADAPTERS)})")
         self.target = target
         self.layers = layers
+        self.adapter_kind = adapter
         self.adapter_name: str | None = None  # set once a trained adapter is loaded
+        dtype = next(base.parameters()).dtype
         # A shallow copy of the decoder that shares every module but keeps only k layers;
         # its attention layers keep layer_idx 0..k-1, so it can own a k-layer DynamicCache.
+        kept = list(base.layers[:layers])
+        self.extra_layer: nn.Module | None = None
+        if adapter == "layer":  # target layer k, copied: layer_idx k, the cache's (k+1)-th layer
+            self.extra_layer = copy.deepcopy(base.layers[layers]).to(target.device).eval()
+            kept.append(self.extra_layer)
         self.decoder = copy.copy(base)
         self.decoder._modules = dict(base._modules)
-        self.decoder.layers = nn.ModuleList(base.layers[:layers])
+        self.decoder.layers = nn.ModuleList(kept)
         self.decoder.config = copy.copy(base.config)
-        self.decoder.config.num_hidden_layers = layers
+        self.decoder.config.num_hidden_layers = len(kept)
         self.lm_head = target.model.get_output_embeddings()
-        hidden = target.model.config.hidden_size
-        self.adapter = ResidualAdapter(hidden).to(target.device, next(base.parameters()).dtype).eval()
+        self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
+        # Reduced draft vocabulary: ids of the head rows computed, and those rows.
+        self.vocab_ids: torch.Tensor | None = None
+        self.head_weight: torch.Tensor = self.lm_head.weight
         if adapter_path is not None:
             self.load_adapter(adapter_path)
 
@@ -64,23 +118,68 @@ class EarlyExitDrafter(Drafter):
         base = f"{self.target.name}:early-exit-{self.layers}"
         return f"{base}+{self.adapter_name}" if self.adapter_name else base
 
+    def trainable(self) -> nn.ModuleDict:
+        """The modules training updates (the target's own weights stay frozen)."""
+        mods = {"adapter": self.adapter}
+        if self.extra_layer is not None:
+            mods["layer"] = self.extra_layer
+        return nn.ModuleDict(mods)
+
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Draft over these token ids only (None: the whole vocabulary)."""
+        if vocab_ids is None:
+            self.vocab_ids, self.head_weight = None, self.lm_head.weight
+            return
+        ids = vocab_ids.to(self.target.device, torch.long)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.weight.shape[0]:
+            raise ModelError("draft vocabulary ids are outside the target's vocabulary")
+        self.vocab_ids = ids
+        self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
+
     def load_adapter(self, path: str | Path) -> None:
         path = Path(path)
-        if not path.is_file():
-            raise ModelError(f"adapter file not found: {path}")
+        meta = read_adapter_meta(path)
+        target = meta.get("target")
+        if target and target != self.target.name:
+            raise ModelError(f"adapter {path} was trained for target {target}, not {self.target.name}")
+        tensors = load_file(str(path), device=str(self.target.device))
+        vocab = tensors.pop("vocab_ids", None)
         try:
-            self.adapter.load_state_dict(load_file(str(path), device=str(self.target.device)))
+            self.trainable().load_state_dict(_prefixed(tensors))
         except RuntimeError as e:
             raise ModelError(f"adapter {path} does not fit this drafter: {e}") from e
+        self.set_vocab(vocab)
         self.adapter_name = path.stem
 
-    def save_adapter(self, path: str | Path) -> None:
-        save_file({k: v.contiguous() for k, v in self.adapter.state_dict().items()}, str(path))
+    def save_adapter(self, path: str | Path, train: dict | None = None) -> None:
+        tensors = {k: v.detach().contiguous() for k, v in self.trainable().state_dict().items()}
+        if self.vocab_ids is not None:
+            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
+        meta = {"kind": self.kind, "layers": str(self.layers), "adapter": self.adapter_kind,
+                "rank": str(self.adapter.down.out_features), "target": self.target.name}
+        if train is not None:
+            meta["train"] = json.dumps(train)
+        save_file(tensors, str(path), metadata=meta)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
+        if self.vocab_ids is None:
+            return self.lm_head(h)
+        logits = h @ self.head_weight.T
+        full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, logits)
 
     def forward(self, input_ids, cache, num_logits, want_hidden):
         h = self.decoder(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state
         h = self.adapter(h[0, -num_logits:])
-        return self.lm_head(h), (h if want_hidden else None)
+        return self.head(h), (h if want_hidden else None)
 
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
         return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size or self.target.vocab_size)
+
+
+def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter files written before the `layer` kind hold the mlp's keys unprefixed."""
+    if any(k.startswith(("adapter.", "layer.")) for k in tensors):
+        return tensors
+    return {f"adapter.{k}": v for k, v in tensors.items()}

@@ -84,3 +84,30 @@ def test_console_script_reports_argparse_errors_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "max-new-tokens" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
+    """Corpus, held-out answers and a trained adapter that `generate` then drafts with."""
+    target_dir = str(tiny_dirs[0])
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text(json.dumps({"turns": ["a held-out question", "its second turn"]}) + "\n")
+    out = tmp_path / "adapter.safetensors"
+    common = ["--target-model", target_dir, "--device", "cpu", "--out", str(out), "--work-dir", str(tmp_path / "w"),
+              "--positions", "120", "--self-instruct", "2", "--gen-batch-size", "8", "--max-new-tokens", "12",
+              "--eval-prompts", str(held_out), "--eval-max-new-tokens", "8"]
+    code, stdout, err = specd_cli(["train-drafter", *common, "--layers", "1", "--rank", "16",
+                                   "--draft-vocab", "64", "--epochs", "1", "--batch-tokens", "512"])
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["train_positions"] > 0 and report["draft_vocab"] == 64
+    assert set(report["after"]) == {"corpus-holdout", "held"} and report["after"]["held"]["positions"] > 0
+    assert (tmp_path / "w" / "eval-held-8.safetensors").is_file() and any((tmp_path / "w").glob("shard-*"))
+    code, stdout, err = specd_cli(["generate", "hi", "--target-model", target_dir, "--device", "cpu",
+                                   "--drafter", "early-exit", "--draft-adapter", str(out), "--policy", "constant",
+                                   "--max-new-tokens", "8", "--json"])
+    assert code == 0, err
+    assert json.loads(stdout)["stats"]["drafter"] == "early-exit"
+    code, _, err = specd_cli(["train-drafter", *common, "--temperatures", "0,hot"])
+    assert code == 2 and "temperatures" in err
+    code, _, err = specd_cli(["train-drafter", *common, "--epochs", "0"])
+    assert code == 2 and "epochs" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specd.errors import InvalidRequest, ModelError
 from specd.models import check_pair, load_model
@@ -43,6 +44,8 @@ def test_draft_vocab_must_cover_the_tokenizer():
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu").type == "cpu"
     assert str(resolve_dtype("auto", resolve_device("cpu"))) == "torch.float32"
+    # Lossless by default on a GPU too: bf16 windows round unlike one-token steps.
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
     with pytest.raises(InvalidRequest):
         resolve_device("quantum")
     with pytest.raises(InvalidRequest):
