@@ -7,7 +7,7 @@ import torch
 
 from specd.errors import InvalidRequest, ModelError
 from specd.models import check_pair, load_model
-from specd.models.loading import resolve_dtype, resolve_device
+from specd.models.loading import resolve_device, resolve_dtype
 from specd.models.tiny import char_tokenizer, loaded, tiny_llama
 
 

@@ -12,7 +12,7 @@ from specd.drafters.early_exit import ResidualAdapter, read_adapter_meta
 from specd.engine import SpeculativeEngine
 from specd.errors import ModelError
 from specd.models.tiny import loaded, tiny_llama
-from specd.training.corpus import Answered, build_corpus
+from specd.training.corpus import Answered
 from specd.training.early_exit import choose_vocab, coverage, evaluate, train_early_exit
 from specd.types import SamplingParams, SpecParams
 
@@ -81,7 +81,8 @@ def test_a_reduced_vocabulary_drafter_is_lossless(tiny_target, corpus, tmp_path,
 
 def test_a_checkpoint_resumes_the_same_run(tiny_target, corpus, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    args = dict(layers=1, adapter="mlp", rank=16, epochs=2, batch_tokens=512, holdout=0.1, checkpoint=ckpt)
+    args = {"layers": 1, "adapter": "mlp", "rank": 16, "epochs": 2, "batch_tokens": 512, "holdout": 0.1,
+            "checkpoint": ckpt}
     train_early_exit(tiny_target, corpus, tmp_path / "a.safetensors", **args)
     assert torch.load(ckpt, weights_only=False)["epoch"] == 2
     train_early_exit(tiny_target, corpus, tmp_path / "b.safetensors", **args)  # nothing left to train
