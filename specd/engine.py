@@ -114,6 +114,7 @@ class GenerationRun:
                                        else int(torch.randint(0, 2**62, (1,))))
         self.target_kv = target.session()
         self.draft_session = self.drafter.open() if self.drafter else None
+        self.feed_features = self.drafter is not None and self.drafter.needs_target_features
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
 
@@ -156,8 +157,12 @@ class GenerationRun:
         k = len(drafts)
 
         t0 = time.perf_counter()
-        fed = len(seq) - self.target_kv.length
-        logits, _ = self.target_kv.extend(seq[self.target_kv.length:], k + 1)  # [k+1, V]
+        start = self.target_kv.length
+        fed = len(seq) - start
+        # A drafter on the target's features gets them for every fed position (the prefill too).
+        rows = fed if self.feed_features and fed != k + 1 else k + 1
+        logits, hidden = self.target_kv.extend(seq[start:], rows, self.feed_features)
+        logits = logits[-(k + 1):]  # [k+1, V]
         del seq[committed:]  # drafts leave the committed sequence until verified
         verdict = self._verify(logits, drafts, qs)
         n = verdict.num_accepted
@@ -165,6 +170,9 @@ class GenerationRun:
         self.target_kv.rollback(committed + n)
         if self.draft_session is not None:
             self.draft_session.rollback(committed + n)
+            if self.feed_features:  # features of the verified positions: up to the last accepted
+                first = start + fed - rows
+                self.draft_session.observe_target(first, hidden[:committed + n - first])
         verify_s = time.perf_counter() - t0
         stats.verify_time_s += verify_s
         if self.costs is not None and fed == k + 1:  # not the prefill round

@@ -6,12 +6,13 @@ from pathlib import Path
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
 from specd.drafters.early_exit import NO_ADAPTER, EarlyExitDrafter, bundled_adapter_path
+from specd.drafters.feature import FeatureDrafter
 from specd.drafters.hf import HfDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 
-DRAFTERS = ("hf", "early-exit", "ngram")
+DRAFTERS = ("hf", "early-exit", "ngram", "feature")
 
 
 def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | None = None,
@@ -29,8 +30,10 @@ def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | Non
         return EarlyExitDrafter(target, draft_layers, adapter_path)
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "feature":  # adapter_path: the trained head (specd train-drafter --kind feature)
+        return FeatureDrafter(target, None if str(adapter_path) == NO_ADAPTER else adapter_path)
     raise InvalidRequest("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
 
 
-__all__ = ["DRAFTERS", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter", "HfDrafter",
+__all__ = ["DRAFTERS", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter", "FeatureDrafter", "HfDrafter",
            "NgramDrafter", "build_drafter"]

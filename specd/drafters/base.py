@@ -38,6 +38,10 @@ class DraftSession(ABC):
     def rollback(self, length: int) -> None:
         """Only seq[:length] is still valid."""
 
+    def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's last hidden states [n, H] at positions start..start+n-1 of the verified
+        sequence (only for drafters with needs_target_features)."""
+
     def close(self) -> None:
         """Free per-request memory."""
 
@@ -49,6 +53,8 @@ class DraftSession(ABC):
 class Drafter(ABC):
     kind: ClassVar[str]
     has_distribution: ClassVar[bool] = True
+    # Reads the target's last hidden states of verified positions (DraftSession.observe_target).
+    needs_target_features: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -75,16 +81,8 @@ class ModelDraftSession(DraftSession):
 
     def next(self, seq, params, generator, want_hidden):
         logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
-        logits = fit_vocab(logits[0], self.vocab_size)
-        if params.greedy:
-            q = logits.softmax(-1)
-            token = q.argmax()
-        else:
-            q = logits_to_probs(logits, params)
-            token = sample(q, generator)
-        # One host sync for everything the policy reads.
-        tok, prob, max_prob, h = torch.stack([token.float(), q[token], q.max(), entropy(q)]).tolist()
-        return DraftToken(int(tok), q, prob, max_prob, h, hidden[0] if hidden is not None else None)
+        return draft_token(fit_vocab(logits[0], self.vocab_size), params, generator,
+                           hidden[0] if hidden is not None else None)
 
     def rollback(self, length: int) -> None:
         self.kv.rollback(length)
@@ -94,6 +92,22 @@ class ModelDraftSession(DraftSession):
 
     def nbytes(self) -> int:
         return self.kv.nbytes()
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                hidden: torch.Tensor | None) -> DraftToken:
+    """The drafted token from logits [V]: for greedy decoding argmax, with q the temperature-1
+    softmax (what the policies' confidence features read); for sampling a draw from q, the
+    distribution after temperature/top-k/top-p."""
+    if params.greedy:
+        q = logits.softmax(-1)
+        token = q.argmax()
+    else:
+        q = logits_to_probs(logits, params)
+        token = sample(q, generator)
+    # One host sync for everything the policy reads.
+    tok, prob, max_prob, h = torch.stack([token.float(), q[token], q.max(), entropy(q)]).tolist()
+    return DraftToken(int(tok), q, prob, max_prob, h, hidden)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

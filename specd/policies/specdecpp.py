@@ -26,9 +26,13 @@ from specd.types import DraftStep
 
 
 # Heads shipped with specd, by the name of the drafter whose hidden states they were trained on.
+_DATA = Path(__file__).resolve().parent.parent / "data"
 BUNDLED_HEADS = {
-    "smollm2-135m-instruct:early-exit-4": Path(__file__).resolve().parent.parent / "data"
-    / "specdecpp-smollm2-early-exit-4.safetensors",
+    "smollm2-135m-instruct:early-exit-4": _DATA / "specdecpp-smollm2-early-exit-4.safetensors",  # untrained
+    # the bundled trained adapter (`specd train-head --prompts P --limit 40`, P: 40 of the
+    # training templates, specd.training.corpus.template_prompts(1)[:40])
+    "smollm2-135m-instruct:early-exit-4+smollm2-ee4-layer-v8k":
+        _DATA / "specdecpp-smollm2-early-exit-4-ee4-layer-v8k.safetensors",
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specd.costs import CostCurve
-from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
+from specd.drafters import EarlyExitDrafter, FeatureDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.tiny import loaded
@@ -20,7 +20,8 @@ N = 32
 
 
 def drafters(target, draft):
-    return {"hf": HfDrafter(draft, target), "early-exit": EarlyExitDrafter(target, 2), "ngram": NgramDrafter()}
+    return {"hf": HfDrafter(draft, target), "early-exit": EarlyExitDrafter(target, 2), "ngram": NgramDrafter(),
+            "feature": FeatureDrafter(target)}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def random_head(tiny_target):
     return AcceptanceHead(tiny_target.model.config.hidden_size, depth=2, width=32).eval()
 
 
-@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "feature"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_greedy_equals_target_alone(tiny_target, tiny_draft, hf_greedy, random_head, policy, drafter_kind):
     drafter = drafters(tiny_target, tiny_draft)[drafter_kind]

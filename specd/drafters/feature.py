@@ -1,0 +1,208 @@
+"""feature: an EAGLE-style draft head on the target's own features (Li et al. 2024, "EAGLE:
+Speculative Sampling Requires Rethinking Feature Uncertainty").
+
+The target's last hidden state f_t (after its final norm; what its LM head reads to predict
+x_{t+1}) is far more informative than the token alone. The head reads, at position t,
+    x = fc([f_t ; embed(x_{t+1})])          (2H -> H)
+runs one decoder layer over the positions so far (its own KV cache), the target's final norm,
+and predicts x_{t+2} through the target's LM head (or its rows of a reduced draft vocabulary).
+Its output at t is trained to be f_{t+1} too, so while drafting past the verified prefix, where
+the target has not computed f yet, the head's own output stands in for it.
+
+The engine hands the session the target's features of every verified position after each
+verification (`observe_target`); positions the head processed with stand-in features are
+recomputed with the true ones then. The head's weights are its own (fc and the layer, initialised
+as a copy of the target's last layer); embeddings, norm and LM head are the target's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache
+
+from specd.drafters.base import Drafter, DraftSession, DraftToken, draft_token, fit_vocab
+from specd.drafters.early_exit import read_adapter_meta
+from specd.errors import ModelError
+from specd.models.loading import LoadedModel
+
+
+class FeatureHead(nn.Module):
+    """The trained part: fc and one decoder layer."""
+
+    def __init__(self, target: LoadedModel):
+        super().__init__()
+        base = target.model.get_decoder()
+        hidden = target.model.config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = copy.deepcopy(base.layers[-1])
+        self.layer.self_attn.layer_idx = 0  # the only layer of the head's own cache
+
+
+class FeatureDrafter(Drafter):
+    kind = "feature"
+    needs_target_features = True
+
+    def __init__(self, target: LoadedModel, head_path: str | Path | None = None):
+        self.target = target
+        base = target.model.get_decoder()
+        dtype = next(base.parameters()).dtype
+        self.head = FeatureHead(target).to(target.device, dtype).eval()
+        with torch.no_grad():  # an untrained fc passes the feature through: f_t + embed(x_{t+1})
+            h = self.head.fc.weight.shape[0]
+            self.head.fc.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
+        # A one-layer decoder sharing the target's embeddings, rotary and norm (not registered
+        # in the head, so the head's state dict holds only what it trains).
+        self.decoder = copy.copy(base)
+        self.decoder._modules = dict(base._modules)
+        self.decoder.layers = nn.ModuleList([self.head.layer])
+        self.decoder.config = copy.copy(base.config)
+        self.decoder.config.num_hidden_layers = 1
+        self.embed = base.embed_tokens
+        self.lm_head = target.model.get_output_embeddings()
+        self.vocab_ids: torch.Tensor | None = None
+        self.head_weight = self.lm_head.weight
+        self.head_name: str | None = None
+        if head_path is not None:
+            self.load(head_path)
+
+    @property
+    def name(self) -> str:
+        base = f"{self.target.name}:feature"
+        return f"{base}+{self.head_name}" if self.head_name else base
+
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        if vocab_ids is None:
+            self.vocab_ids, self.head_weight = None, self.lm_head.weight
+            return
+        ids = vocab_ids.to(self.target.device, torch.long)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.weight.shape[0]:
+            raise ModelError("draft vocabulary ids are outside the target's vocabulary")
+        self.vocab_ids = ids
+        self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
+
+    def load(self, path: str | Path) -> None:
+        path = Path(path)
+        meta = read_adapter_meta(path)
+        if meta.get("kind") != self.kind:
+            raise ModelError(f"{path} holds a {meta.get('kind', 'unknown')} drafter, not a feature head")
+        if meta.get("target") and meta["target"] != self.target.name:
+            raise ModelError(f"{path} was trained for target {meta['target']}, not {self.target.name}")
+        tensors = load_file(str(path), device=str(self.target.device))
+        vocab = tensors.pop("vocab_ids", None)
+        try:
+            self.head.load_state_dict(tensors)
+        except RuntimeError as e:
+            raise ModelError(f"{path} does not fit this target: {e}") from e
+        self.set_vocab(vocab)
+        self.head_name = path.stem
+
+    def save(self, path: str | Path, train: dict | None = None) -> None:
+        tensors = {k: v.detach().contiguous() for k, v in self.head.state_dict().items()}
+        if self.vocab_ids is not None:
+            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
+        meta = {"kind": self.kind, "target": self.target.name}
+        if train is not None:
+            meta["train"] = json.dumps(train)
+        save_file(tensors, str(path), metadata=meta)
+
+    def run(self, feats: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache | None = None,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Head outputs [B, T, H] (stand-ins for f_{t+1}) from features [B, T, H] and the ids of
+        the tokens after them [B, T]."""
+        x = self.head.fc(torch.cat([feats, self.embed(next_ids).to(feats.dtype)], -1))
+        return self.decoder(inputs_embeds=x, past_key_values=cache, use_cache=cache is not None,
+                            attention_mask=attention_mask).last_hidden_state
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
+        logits = h @ self.head_weight.T
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, logits)
+
+    def open(self, vocab_size: int | None = None) -> FeatureDraftSession:
+        return FeatureDraftSession(self, vocab_size or self.target.vocab_size)
+
+
+class FeatureDraftSession(DraftSession):
+    """Head position t reads (feature of t, token t+1) and predicts token t+2. Positions below
+    `true_len` were computed from the target's features, later ones from the head's own output
+    at the position before (EAGLE's stand-in)."""
+
+    def __init__(self, drafter: FeatureDrafter, vocab_size: int):
+        self.d = drafter
+        self.vocab_size = vocab_size
+        self.feats: torch.Tensor | None = None  # [F, H] the target's features of positions 0..F-1
+        self.cache: DynamicCache | None = DynamicCache()
+        self.outs: torch.Tensor | None = None  # [P, H] head outputs of the cached positions
+        self.length = 0  # head positions cached (P)
+        self.true_len = 0  # of which computed from the target's features
+
+    def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        have = 0 if self.feats is None else self.feats.shape[0]
+        if start > have:
+            raise ModelError(f"target features from position {start} leave a gap after {have}")
+        hidden = hidden.detach().to(self.d.target.device, self.d.head.fc.weight.dtype)
+        self.feats = hidden if self.feats is None or start == 0 else torch.cat([self.feats[:start], hidden])
+        if self.true_len > start:  # computed from features that were just replaced
+            self._crop(start)
+
+    @torch.inference_mode()
+    def next(self, seq, params, generator, want_hidden) -> DraftToken | None:
+        need = len(seq) - 1  # head positions 0..len-2; the last one predicts the token after seq
+        if need < 1 or self.feats is None:
+            return None
+        if self.length > need:
+            self._crop(need)
+        n_feats = self.feats.shape[0]
+        if self.length > self.true_len and n_feats > self.true_len:  # true features replace stand-ins
+            self._crop(self.true_len)
+        n_true = min(n_feats, need)
+        if n_true > self.length:  # catch up with the target's features in one forward
+            self._extend(self.feats[self.length:n_true], seq[self.length + 1:n_true + 1])
+            self.true_len = self.length
+        if self.length == 0:
+            return None
+        while self.length < need:  # past the verified prefix
+            self._extend(self.outs[-1:], seq[self.length + 1:self.length + 2])
+        out = self.outs[-1]
+        logits = fit_vocab(self.d.logits(out).float(), self.vocab_size)
+        return draft_token(logits, params, generator, out if want_hidden else None)
+
+    def _extend(self, feats: torch.Tensor, ids: list[int]) -> None:
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.d.target.device)
+        out = self.d.run(feats[None], ids_t, self.cache)[0]
+        self.outs = out if self.outs is None else torch.cat([self.outs, out])
+        self.length += len(ids)
+
+    def _crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+            self.outs = self.outs[:length]
+        self.true_len = min(self.true_len, length)
+
+    def rollback(self, length: int) -> None:
+        """Only seq[:length] is still valid: head positions up to length - 2 and features up to
+        length - 1."""
+        if self.feats is not None and self.feats.shape[0] > length:
+            self.feats = self.feats[:length]
+        self._crop(max(length - 1, 0))
+
+    def close(self) -> None:
+        self.cache, self.feats, self.outs, self.length, self.true_len = None, None, None, 0, 0
+
+    def nbytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in (self.feats, self.outs) if t is not None)
+        for layer in list(getattr(self.cache, "layers", ()) if self.cache is not None else ()):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,99 @@
+"""The feature (EAGLE-style) drafter: its session's cached, incremental head outputs equal a
+batch forward over the same features, stand-ins are replaced by the target's features when
+they arrive, and its file round-trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.drafters import EarlyExitDrafter, FeatureDrafter
+from specd.engine import SpeculativeEngine
+from specd.errors import ModelError
+from specd.types import SamplingParams, SpecParams
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target):
+    d = FeatureDrafter(tiny_target)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a head that is not the identity
+        d.head.fc.weight.add_(0.1 * torch.randn_like(d.head.fc.weight))
+    return d
+
+
+def _features(target, seq):
+    with torch.no_grad():
+        return target.model.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0]
+
+
+def _logits(d, h):
+    with torch.no_grad():
+        return d.logits(h)
+
+
+def _batch_logits(d, feats, seq):
+    """The head over features[0..T-1] and tokens seq[1..T] in one forward: logits at T-1."""
+    with torch.no_grad():
+        out = d.run(feats[None], torch.tensor([seq[1:feats.shape[0] + 1]]))
+    return d.logits(out[0, -1])
+
+
+def test_incremental_drafting_equals_a_batch_forward(tiny_target, drafter):
+    seq = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    f = _features(tiny_target, seq)
+    s = drafter.open()
+    greedy = SamplingParams()
+    s.observe_target(0, f[:8])  # the target verified positions 0..7
+    first = s.next(seq[:9], greedy, None, True)
+    assert torch.allclose(_logits(drafter, first.hidden), _batch_logits(drafter, f[:8], seq), atol=1e-5)
+    # Past the verified prefix the head's own output at position 7 stands in for f_8.
+    second = s.next(seq[:10], greedy, None, True)
+    stand_in = torch.cat([f[:8], first.hidden[None]])
+    assert torch.allclose(_logits(drafter, second.hidden), _batch_logits(drafter, stand_in, seq), atol=1e-5)
+    # Verification accepted the draft (seq[:10] stays) and computed f_8, f_9: the position fed
+    # with a stand-in is recomputed from the target's feature.
+    s.rollback(10)
+    s.observe_target(8, f[8:10])
+    accepted = s.next(seq[:11], greedy, None, True)
+    assert torch.allclose(_logits(drafter, accepted.hidden), _batch_logits(drafter, f[:10], seq), atol=1e-5)
+    # Verification rejected it (seq[:9] stays): back to the verified prefix.
+    s.rollback(9)
+    s.observe_target(8, f[8:9])
+    again = s.next(seq[:10], greedy, None, True)
+    assert torch.allclose(_logits(drafter, again.hidden), _batch_logits(drafter, f[:9], seq), atol=1e-5)
+    assert not torch.allclose(again.hidden, second.hidden)
+    assert s.nbytes() > 0
+    s.close()
+    assert s.nbytes() == 0
+
+
+def test_nothing_is_drafted_before_the_target_has_spoken(tiny_target, drafter):
+    s = drafter.open()
+    assert s.next([5, 6, 7], SamplingParams(), None, False) is None
+    with pytest.raises(ModelError, match="gap"):
+        s.observe_target(3, torch.zeros(1, tiny_target.model.config.hidden_size))
+
+
+def test_the_engine_drafts_with_it_and_stays_lossless(tiny_target, drafter, hf_greedy):
+    engine = SpeculativeEngine(tiny_target, drafter)
+    prompt = [5, 9, 17, 33, 5, 9, 17]
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=24), SpecParams("constant"))
+    assert out.token_ids == hf_greedy(tiny_target.model, prompt, 24)
+    assert out.stats.drafted > 0
+
+
+def test_the_head_file_round_trips_and_is_checked(tiny_target, drafter, tmp_path):
+    path = tmp_path / "head.safetensors"
+    drafter.set_vocab(torch.arange(0, 64))
+    try:
+        drafter.save(path, train={"note": "test"})
+    finally:
+        drafter.set_vocab(None)
+    again = FeatureDrafter(tiny_target, path)
+    assert again.name.endswith(":feature+head") and again.vocab_ids.numel() == 64
+    assert torch.equal(again.head.fc.weight, drafter.head.fc.weight)
+    other = tmp_path / "ee.safetensors"
+    EarlyExitDrafter(tiny_target, 2).save_adapter(other)
+    with pytest.raises(ModelError, match="not a feature head"):
+        FeatureDrafter(tiny_target, other)
