@@ -34,12 +34,13 @@ def _policy_param(text: str) -> tuple[str, float]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram (generate's default: ngram; "
-                                                      "train-head's: early-exit)")
+    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | feature (in process only) "
+                                                      "(generate's default: ngram; train-head's: early-exit)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
-    p.add_argument("--draft-adapter", help="trained early-exit adapter (safetensors; default: the one "
-                                           "bundled for the embedded target at 4 layers; 'none': untrained)")
+    p.add_argument("--draft-adapter", help="trained early-exit adapter or feature head (safetensors; "
+                                           "early-exit's default: the one bundled for the embedded target "
+                                           "at 4 layers; 'none': untrained)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA if present)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                                                    "(auto: float32, the lossless choice; bfloat16 "
@@ -104,7 +105,9 @@ def _add_train_head(sub) -> None:
 
 def _add_train_drafter(sub) -> None:
     t = sub.add_parser("train-drafter", help="train a drafter on the target's own answers (corpus made here)")
-    t.add_argument("--kind", default="early-exit", choices=["early-exit"], help="drafter to train")
+    t.add_argument("--kind", default="early-exit", choices=["early-exit", "feature"],
+                   help="early-exit: an adapter on the target's first layers; feature: an EAGLE-style "
+                        "head on the target's last hidden states")
     t.add_argument("--out", type=Path, required=True, help="where to write the adapter (safetensors)")
     t.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
@@ -123,10 +126,10 @@ def _add_train_drafter(sub) -> None:
     c.add_argument("--gen-batch-size", type=int, default=32, help="prompts answered per batch")
     c.add_argument("--max-new-tokens", type=int, default=256)
     a = t.add_argument_group("drafter and training")
-    a.add_argument("--layers", type=int, default=4, help="target layers the drafter keeps")
+    a.add_argument("--layers", type=int, default=4, help="early-exit: target layers the drafter keeps")
     a.add_argument("--adapter", default="mlp", choices=["mlp", "layer"],
-                   help="mlp: residual MLP; layer: one extra decoder layer (Kangaroo)")
-    a.add_argument("--rank", type=int, default=256, help="the residual MLP's width")
+                   help="early-exit: mlp (residual MLP) or layer (one extra decoder layer, Kangaroo)")
+    a.add_argument("--rank", type=int, default=256, help="early-exit: the residual MLP's width")
     a.add_argument("--draft-vocab", type=int, default=0,
                    help="draft over the N most frequent answer tokens only (FR-Spec); 0 = whole vocabulary")
     a.add_argument("--epochs", type=int, default=2)
@@ -261,6 +264,7 @@ def cmd_train_drafter(args) -> int:
     from specd.models import load_model
     from specd.training.corpus import answer_prompts, build_corpus, file_prompts, read_shard, write_shard
     from specd.training.early_exit import train_early_exit
+    from specd.training.feature import train_feature
 
     try:
         temperatures = [float(x) for x in _comma_list(args.temperatures) or ()]
@@ -282,11 +286,14 @@ def cmd_train_drafter(args) -> int:
             write_shard(saved, answer_prompts(target, file_prompts([path]), 0.0, args.eval_max_new_tokens,
                                               args.gen_batch_size, args.seed), 0.0)
         evals[path.stem] = read_shard(saved)
-    seqs = list(corpus)
-    report = train_early_exit(
-        target, seqs, args.out, layers=args.layers, adapter=args.adapter, rank=args.rank,
-        draft_vocab=args.draft_vocab or None, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-        eval_seqs=evals, seed=args.seed, checkpoint=work / f"ckpt-{args.out.stem}.pt")
+    common = {"draft_vocab": args.draft_vocab or None, "epochs": args.epochs, "lr": args.lr,
+              "batch_tokens": args.batch_tokens, "eval_seqs": evals, "seed": args.seed,
+              "checkpoint": work / f"ckpt-{args.out.stem}.pt"}
+    if args.kind == "feature":
+        report = train_feature(target, list(corpus), args.out, **common)
+    else:
+        report = train_early_exit(target, list(corpus), args.out, layers=args.layers, adapter=args.adapter,
+                                  rank=args.rank, **common)
     report["wall_time_s"] = round(time.perf_counter() - started, 1)
     report["out"] = str(args.out)
     print(json.dumps(report, indent=2))

@@ -98,6 +98,8 @@ def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
     seq, params = list(prefix), SamplingParams()
     session = drafter.open()
     try:
+        if drafter.needs_target_features:  # the cost depends on shapes: zero features stand in
+            session.observe_target(0, torch.zeros(len(seq) - 1, drafter.hidden_size))
         session.next(seq[:-1], params, None, False)  # prefill all but the last token
 
         def step():

@@ -64,7 +64,11 @@ def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Se
         n = len(output)
         if n == 0:
             return []
-        logits, _ = session.kv.extend(list(prompt) + list(output[:-1]), n)  # [n, V]
+        seq = list(prompt) + list(output[:-1])
+        if drafter.needs_target_features:  # first-token agreement: optimistic deeper in a window
+            logits = drafter.teacher_forced_logits(seq, n)
+        else:
+            logits, _ = session.kv.extend(seq, n)  # [n, V]
         pred = fit_vocab(logits, vocab_size).argmax(-1).tolist()
     finally:
         session.close()

@@ -127,6 +127,19 @@ class FeatureDrafter(Drafter):
         full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, logits)
 
+    @property
+    def hidden_size(self) -> int:
+        return self.head.fc.weight.shape[0]
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, seq: list[int], n: int) -> torch.Tensor:
+        """Logits [n, V] for the last n tokens of seq + one more, each drafted right after a
+        verified prefix (the target's features everywhere): one target and one head forward."""
+        ids = torch.tensor([seq], dtype=torch.long, device=self.target.device)
+        f = self.target.model.get_decoder()(input_ids=ids).last_hidden_state
+        out = self.run(f[:, :-1].to(self.head.fc.weight.dtype), ids[:, 1:])[0]  # row t predicts seq[t + 2]
+        return self.logits(out[-n:])
+
     def open(self, vocab_size: int | None = None) -> FeatureDraftSession:
         return FeatureDraftSession(self, vocab_size or self.target.vocab_size)
 

@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +33,9 @@ from specd.drafters.early_exit import EarlyExitDrafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.training.corpus import Answered
+
+# (target, drafter, ids, attn, pred) -> (teacher p [N, V], student log q [N, V'], extra loss | None)
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 def choose_vocab(seqs: Sequence[Answered], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -96,18 +99,24 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return contextlib.nullcontext()
 
 
-def _teacher(target: LoadedModel, ids, attn, pred) -> torch.Tensor:
-    """The target's next-token probabilities [N, V] at the predicting rows."""
+def _teacher_features(target: LoadedModel, ids, attn) -> torch.Tensor:
+    """The target's last hidden states [B, T, H] (after its final norm)."""
     with torch.no_grad():
-        h = target.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
-        return target.model.get_output_embeddings()(h[pred]).float().softmax(-1)
+        return target.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
 
 
-def _student(drafter: EarlyExitDrafter, ids, attn, pred) -> torch.Tensor:
-    """The drafter's log q [N, V'] over its draft vocabulary at the predicting rows."""
-    h = drafter.decoder(input_ids=ids, attention_mask=attn).last_hidden_state[pred]
-    h = drafter.adapter(h)
-    return (h @ drafter.head_weight.T).float().log_softmax(-1)
+def _teacher_probs(target: LoadedModel, f: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return target.model.get_output_embeddings()(f).float().softmax(-1)
+
+
+def early_exit_step(target: LoadedModel, drafter: EarlyExitDrafter, ids, attn, pred
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(teacher p [N, V], student log q [N, V'] over the draft vocabulary, no extra loss) at
+    the rows that predict an answer token."""
+    p = _teacher_probs(target, _teacher_features(target, ids, attn)[pred])
+    h = drafter.adapter(drafter.decoder(input_ids=ids, attention_mask=attn).last_hidden_state[pred])
+    return p, (h @ drafter.head_weight.T).float().log_softmax(-1), None
 
 
 def _restrict(p: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
@@ -118,11 +127,13 @@ def _restrict(p: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(target: LoadedModel, drafter: EarlyExitDrafter, seqs: Sequence[Answered], batch_tokens: int = 4096,
-             max_len: int = 1024) -> dict:
+def evaluate(target: LoadedModel, drafter, seqs: Sequence[Answered], batch_tokens: int = 4096,
+             max_len: int = 1024, step: Step | None = None) -> dict:
     """Over the answer positions of seqs: top-1 agreement (draft argmax == target argmax, the
     greedy acceptance rate of one token), the expected acceptance of a T=1 sampled draft token
-    sum_x min(p, q), and the distillation loss."""
+    sum_x min(p, q), and the distillation loss. (For the feature drafter: of its first token
+    after a verified prefix, with the target's own features.)"""
+    step = step or early_exit_step
     if not seqs:
         return {"positions": 0}
     device, dtype = target.device, next(target.model.parameters()).dtype
@@ -132,8 +143,7 @@ def evaluate(target: LoadedModel, drafter: EarlyExitDrafter, seqs: Sequence[Answ
     for group in batches(seqs, batch_tokens, None, max_len):
         ids, attn, pred = _pack(group, max_len, pad, device)
         with _autocast(device, dtype):
-            p = _teacher(target, ids, attn, pred)
-            logq = _student(drafter, ids, attn, pred)
+            p, logq, _ = step(target, drafter, ids, attn, pred)
         q_sub = logq.exp()
         p_sub = p if drafter.vocab_ids is None else p[:, drafter.vocab_ids]
         draft_top = q_sub.argmax(-1)
@@ -154,47 +164,65 @@ def _pad_id(target: LoadedModel) -> int:
     return int(pad)
 
 
+def split_holdout(seqs: Sequence[Answered], holdout: float, seed: int) -> tuple[list[Answered], list[Answered]]:
+    """(held out, train): answered sequences in a seeded order, at least one held out when asked."""
+    if not 0 <= holdout < 1:
+        raise InvalidRequest("holdout", f"must be in [0, 1), got {holdout}")
+    shuffled = [s for s in seqs if len(s.ids) > s.prompt_len]
+    if not shuffled:
+        raise InvalidRequest("corpus", "holds no answered prompt to learn from")
+    random.Random(seed).shuffle(shuffled)
+    n_hold = max(1, int(len(shuffled) * holdout)) if holdout > 0 and len(shuffled) > 1 else 0
+    return shuffled[:n_hold], shuffled[n_hold:]
+
+
 def train_early_exit(target: LoadedModel, seqs: Sequence[Answered], out: Path, *, layers: int = 4,
                      adapter: str = "mlp", rank: int = 256, draft_vocab: int | None = None, epochs: int = 2,
                      lr: float = 1e-3, batch_tokens: int = 8192, max_len: int = 1024,
                      eval_seqs: dict[str, Sequence[Answered]] | None = None, holdout: float = 0.02,
                      seed: int = 0, checkpoint: Path | None = None) -> dict:
-    """Train an adapter on seqs and write it to `out`; returns the report (also in the file's
-    metadata): held-out agreement before and after, the vocabulary's coverage, timings."""
-    if epochs < 1:
-        raise InvalidRequest("epochs", f"must be at least 1, got {epochs}")
-    if not 0 <= holdout < 1:
-        raise InvalidRequest("holdout", f"must be in [0, 1), got {holdout}")
-    seqs = [s for s in seqs if len(s.ids) > s.prompt_len]
-    if not seqs:
-        raise InvalidRequest("corpus", "holds no answered prompt to learn from")
-    rng = random.Random(seed)
-    shuffled = list(seqs)
-    rng.shuffle(shuffled)
-    n_hold = max(1, int(len(shuffled) * holdout)) if holdout > 0 and len(shuffled) > 1 else 0
-    held, train = shuffled[:n_hold], shuffled[n_hold:]
+    """Train an early-exit adapter on seqs and write it to `out`; returns the report (also in
+    the file's metadata): held-out agreement before and after, the vocabulary's coverage, timings."""
+    held, train = split_holdout(seqs, holdout, seed)
     torch.manual_seed(seed)
     drafter = EarlyExitDrafter(target, layers, adapter=adapter, rank=rank)
+    report = {"kind": "early-exit", "layers": layers, "adapter": adapter, "rank": rank}
+    return distill(target, drafter, drafter.trainable(), early_exit_step, drafter.save_adapter, train, held, out,
+                   report, draft_vocab=draft_vocab, epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                   max_len=max_len, eval_seqs=eval_seqs, seed=seed, checkpoint=checkpoint)
+
+
+def distill(target: LoadedModel, drafter, params: torch.nn.Module, step: Step, save: Callable[..., None],
+            train: Sequence[Answered], held: Sequence[Answered], out: Path, report: dict, *,
+            draft_vocab: int | None, epochs: int, lr: float, batch_tokens: int, max_len: int,
+            eval_seqs: dict[str, Sequence[Answered]] | None, seed: int, checkpoint: Path | None) -> dict:
+    """The training loop every drafter kind shares: distil the target into `params` (AdamW,
+    warm-up then cosine decay, gradient clipping at 1) with `step`'s teacher/student pairs,
+    evaluate before and after, save with `save(out, train=report)`."""
+    if epochs < 1:
+        raise InvalidRequest("epochs", f"must be at least 1, got {epochs}")
     if draft_vocab:
         drafter.set_vocab(choose_vocab(train, draft_vocab, target.vocab_size, sorted(target.eos_token_ids)))
     device, dtype = target.device, next(target.model.parameters()).dtype
     evals = {"corpus-holdout": held, **(eval_seqs or {})}
-    report: dict = {"layers": layers, "adapter": adapter, "rank": rank, "draft_vocab": draft_vocab or target.vocab_size,
-                    "vocab_coverage": round(coverage(held or train, drafter.vocab_ids), 4),
-                    "train_sequences": len(train), "train_positions": sum(len(s.ids) - s.prompt_len for s in train),
-                    "epochs": epochs, "lr": lr, "seed": seed,
-                    "before": {k: evaluate(target, drafter, v, batch_tokens, max_len) for k, v in evals.items() if v}}
+    report.update({"draft_vocab": draft_vocab or target.vocab_size,
+                   "vocab_coverage": round(coverage(held or train, drafter.vocab_ids), 4),
+                   "train_sequences": len(train), "train_positions": sum(len(s.ids) - s.prompt_len for s in train),
+                   "epochs": epochs, "lr": lr, "seed": seed})
+    report["before"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, step) for k, v in evals.items() if v}
 
-    target.model.requires_grad_(False)  # only the adapter learns
-    params = drafter.trainable().float().train().requires_grad_(True)
+    target.model.requires_grad_(False)  # only the drafter's own modules learn
+    params.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(params.parameters(), lr=lr, weight_decay=0.0)
     steps_per_epoch = sum(1 for _ in batches(train, batch_tokens, None, max_len))
     total = epochs * steps_per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    config = {k: report[k] for k in sorted(report) if k not in ("before", "vocab_coverage")}
     start_epoch = 0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
-        if state.get("config") == _config(report):
+        if state.get("config") == config:
             params.load_state_dict(state["params"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
@@ -202,15 +230,15 @@ def train_early_exit(target: LoadedModel, seqs: Sequence[Answered], out: Path, *
     pad = _pad_id(target)
     started = time.perf_counter()
     for epoch in range(start_epoch, epochs):
-        epoch_rng = random.Random(seed * 1000 + epoch)
-        bar = tqdm(batches(train, batch_tokens, epoch_rng, max_len), total=steps_per_epoch,
+        bar = tqdm(batches(train, batch_tokens, random.Random(seed * 1000 + epoch), max_len), total=steps_per_epoch,
                    desc=f"epoch {epoch + 1}/{epochs}", unit="batch")
         for group in bar:
             ids, attn, pred = _pack(group, max_len, pad, device)
             with _autocast(device, dtype):
-                p = _teacher(target, ids, attn, pred)
-                logq = _student(drafter, ids, attn, pred)
+                p, logq, extra = step(target, drafter, ids, attn, pred)
             loss = -(_restrict(p, drafter.vocab_ids) * logq).sum(-1).mean()
+            if extra is not None:
+                loss = loss + extra
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params.parameters(), 1.0)
@@ -218,17 +246,12 @@ def train_early_exit(target: LoadedModel, seqs: Sequence[Answered], out: Path, *
             sched.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if checkpoint is not None:
-            torch.save({"config": _config(report), "params": params.state_dict(), "opt": opt.state_dict(),
+            torch.save({"config": config, "params": params.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "epoch": epoch + 1}, checkpoint)
     params.to(dtype).eval()
     report["train_seconds"] = round(time.perf_counter() - started, 1)
-    report["after"] = {k: evaluate(target, drafter, v, batch_tokens, max_len) for k, v in evals.items() if v}
+    report["after"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, step) for k, v in evals.items() if v}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    drafter.save_adapter(out, train=report)
+    save(out, train=report)
     return report
-
-
-def _config(report: dict) -> dict:
-    keys = ("layers", "adapter", "rank", "draft_vocab", "train_sequences", "epochs", "lr", "seed")
-    return {k: report[k] for k in keys}

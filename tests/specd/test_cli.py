@@ -107,6 +107,16 @@ def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
                                    "--max-new-tokens", "8", "--json"])
     assert code == 0, err
     assert json.loads(stdout)["stats"]["drafter"] == "early-exit"
+    feature = tmp_path / "feature.safetensors"
+    code, stdout, err = specd_cli(["train-drafter", *[str(feature) if a == str(out) else a for a in common], "--kind",
+                                   "feature", "--epochs", "1", "--batch-tokens", "512"])
+    assert code == 0, err
+    assert json.loads(stdout)["kind"] == "feature" and feature.is_file()
+    code, stdout, err = specd_cli(["generate", "hi", "--target-model", target_dir, "--device", "cpu",
+                                   "--drafter", "feature", "--draft-adapter", str(feature), "--policy", "cost-aware",
+                                   "--max-new-tokens", "8", "--json"])
+    assert code == 0, err
+    assert json.loads(stdout)["stats"]["drafter"] == "feature"
     code, _, err = specd_cli(["train-drafter", *common, "--temperatures", "0,hot"])
     assert code == 2 and "temperatures" in err
     code, _, err = specd_cli(["train-drafter", *common, "--epochs", "0"])

@@ -97,3 +97,23 @@ def test_the_head_file_round_trips_and_is_checked(tiny_target, drafter, tmp_path
     EarlyExitDrafter(tiny_target, 2).save_adapter(other)
     with pytest.raises(ModelError, match="not a feature head"):
         FeatureDrafter(tiny_target, other)
+
+
+def test_teacher_forced_logits_are_the_first_draft_after_each_verified_prefix(tiny_target, drafter):
+    """What the bench's oracle reads: row i must be what a session drafts after prompt + output[:i]."""
+    seq = torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(2)).tolist()
+    f = _features(tiny_target, seq)
+    n = 5
+    batch = drafter.teacher_forced_logits(seq[:-1], n)  # predictions for seq[-n:]
+    for i in range(n):
+        p = len(seq) - n + i  # the position of the predicted token
+        s = drafter.open()
+        s.observe_target(0, f[:p - 1])
+        step = s.next(seq[:p], SamplingParams(), None, True)
+        assert torch.allclose(_logits(drafter, step.hidden), batch[i], atol=1e-5), i
+
+
+def test_the_cost_measurement_runs_the_head(tiny_target, drafter):
+    from specd.costs import measure_t_draft, synthetic_prefix
+
+    assert measure_t_draft(drafter, synthetic_prefix(tiny_target.vocab_size)) > 0
