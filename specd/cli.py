@@ -104,7 +104,8 @@ def _add_train_head(sub) -> None:
 
 
 def _add_train_drafter(sub) -> None:
-    t = sub.add_parser("train-drafter", help="train a drafter on the target's own answers (corpus made here)")
+    t = sub.add_parser("train-drafter", help="train a drafter on the target's own answers (corpus made here)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--kind", default="early-exit", choices=["early-exit", "feature"],
                    help="early-exit: an adapter on the target's first layers; feature: an EAGLE-style "
                         "head on the target's last hidden states")
@@ -113,9 +114,10 @@ def _add_train_drafter(sub) -> None:
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (a GPU is far faster)")
     t.add_argument("--dtype", default="auto", help="auto (float32) | float32 | bfloat16 | float16")
-    t.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept")
-    t.add_argument("--work-dir", type=Path, help="corpus shards and checkpoints; a rerun resumes from them "
-                                                 "(default: CACHE_DIR/train/TARGET)")
+    t.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept; "
+                                                  "None: $SPECD_CACHE_DIR or ~/.cache/specd")
+    t.add_argument("--work-dir", type=Path, help="corpus shards and checkpoints; a rerun resumes from them; "
+                                                 "None: CACHE_DIR/train/TARGET")
     c = t.add_argument_group("corpus (the target answers prompts)")
     c.add_argument("--positions", type=int, default=1_000_000, help="answer tokens to collect")
     c.add_argument("--prompts", type=Path, action="append", default=[],

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from specd.errors import ModelError
 from specd.models.session import KVSession
 from specd.sampling import entropy, logits_to_probs, sample
 from specd.types import SamplingParams
@@ -65,6 +66,36 @@ class Drafter(ABC):
     def open(self, vocab_size: int | None = None) -> DraftSession:
         """A fresh session for one request; vocab_size: the target's, when it differs from
         the drafter's own (distributions are cropped or padded to it)."""
+
+
+class ReducedVocab:
+    """Mixin for drafters that use the target's LM head: drafting over a reduced vocabulary
+    (FR-Spec, Zhao et al. 2025) computes only the head rows of those tokens; the others get
+    logit -inf (q = 0), which verification handles exactly (the target's residual covers them).
+    Needs self.lm_head and self.target; call set_vocab(None) in __init__."""
+
+    lm_head: torch.nn.Module
+    vocab_ids: torch.Tensor | None
+    head_weight: torch.Tensor  # the rows computed: all, or those of vocab_ids
+
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Draft over these token ids only (None: the whole vocabulary)."""
+        if vocab_ids is None:
+            self.vocab_ids, self.head_weight = None, self.lm_head.weight
+            return
+        ids = vocab_ids.to(self.target.device, torch.long)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.weight.shape[0]:
+            raise ModelError("draft vocabulary ids are outside the target's vocabulary")
+        self.vocab_ids = ids
+        self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
+        if self.vocab_ids is None:
+            return self.lm_head(h)
+        logits = h @ self.head_weight.T
+        full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, logits)
 
 
 class ModelDraftSession(DraftSession):

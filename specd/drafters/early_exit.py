@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specd.drafters.base import Drafter, ModelDraftSession
+from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 from specd.models.session import KVSession
@@ -71,12 +71,14 @@ def read_adapter_meta(path: str | Path) -> dict:
     return {k: (json.loads(v) if k == "train" else v) for k, v in meta.items()}
 
 
-class EarlyExitDrafter(Drafter):
+class EarlyExitDrafter(Drafter, ReducedVocab):
     kind = "early-exit"
 
     def __init__(self, target: LoadedModel, layers: int = 4, adapter_path: str | Path | None = None,
                  adapter: str = "mlp", rank: int = 64):
         meta = read_adapter_meta(adapter_path) if adapter_path is not None else {}
+        if meta.get("kind", self.kind) != self.kind:
+            raise ModelError(f"{adapter_path} holds a {meta['kind']} drafter, not an early-exit adapter")
         # A trained adapter fixes the drafter's shape: its layers, kind and rank win.
         layers = int(meta.get("layers", layers))
         adapter = meta.get("adapter", adapter)
@@ -106,9 +108,7 @@ class EarlyExitDrafter(Drafter):
         self.decoder.config.num_hidden_layers = len(kept)
         self.lm_head = target.model.get_output_embeddings()
         self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
-        # Reduced draft vocabulary: ids of the head rows computed, and those rows.
-        self.vocab_ids: torch.Tensor | None = None
-        self.head_weight: torch.Tensor = self.lm_head.weight
+        self.set_vocab(None)  # ReducedVocab: a trained adapter may bring its own
         if adapter_path is not None:
             self.load_adapter(adapter_path)
 
@@ -124,17 +124,6 @@ class EarlyExitDrafter(Drafter):
         if self.extra_layer is not None:
             mods["layer"] = self.extra_layer
         return nn.ModuleDict(mods)
-
-    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
-        """Draft over these token ids only (None: the whole vocabulary)."""
-        if vocab_ids is None:
-            self.vocab_ids, self.head_weight = None, self.lm_head.weight
-            return
-        ids = vocab_ids.to(self.target.device, torch.long)
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.weight.shape[0]:
-            raise ModelError("draft vocabulary ids are outside the target's vocabulary")
-        self.vocab_ids = ids
-        self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
 
     def load_adapter(self, path: str | Path) -> None:
         path = Path(path)
@@ -161,18 +150,10 @@ class EarlyExitDrafter(Drafter):
             meta["train"] = json.dumps(train)
         save_file(tensors, str(path), metadata=meta)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
-        if self.vocab_ids is None:
-            return self.lm_head(h)
-        logits = h @ self.head_weight.T
-        full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids, logits)
-
     def forward(self, input_ids, cache, num_logits, want_hidden):
         h = self.decoder(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state
         h = self.adapter(h[0, -num_logits:])
-        return self.head(h), (h if want_hidden else None)
+        return self.vocab_logits(h), (h if want_hidden else None)
 
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
         return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size or self.target.vocab_size)

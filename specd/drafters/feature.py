@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache
 
-from specd.drafters.base import Drafter, DraftSession, DraftToken, draft_token, fit_vocab
+from specd.drafters.base import Drafter, DraftSession, DraftToken, ReducedVocab, draft_token, fit_vocab
 from specd.drafters.early_exit import read_adapter_meta
 from specd.errors import ModelError
 from specd.models.loading import LoadedModel
@@ -44,7 +44,7 @@ class FeatureHead(nn.Module):
         self.layer.self_attn.layer_idx = 0  # the only layer of the head's own cache
 
 
-class FeatureDrafter(Drafter):
+class FeatureDrafter(Drafter, ReducedVocab):
     kind = "feature"
     needs_target_features = True
 
@@ -65,8 +65,7 @@ class FeatureDrafter(Drafter):
         self.decoder.config.num_hidden_layers = 1
         self.embed = base.embed_tokens
         self.lm_head = target.model.get_output_embeddings()
-        self.vocab_ids: torch.Tensor | None = None
-        self.head_weight = self.lm_head.weight
+        self.set_vocab(None)  # ReducedVocab
         self.head_name: str | None = None
         if head_path is not None:
             self.load(head_path)
@@ -75,16 +74,6 @@ class FeatureDrafter(Drafter):
     def name(self) -> str:
         base = f"{self.target.name}:feature"
         return f"{base}+{self.head_name}" if self.head_name else base
-
-    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
-        if vocab_ids is None:
-            self.vocab_ids, self.head_weight = None, self.lm_head.weight
-            return
-        ids = vocab_ids.to(self.target.device, torch.long)
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.weight.shape[0]:
-            raise ModelError("draft vocabulary ids are outside the target's vocabulary")
-        self.vocab_ids = ids
-        self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
 
     def load(self, path: str | Path) -> None:
         path = Path(path)
@@ -119,14 +108,6 @@ class FeatureDrafter(Drafter):
         return self.decoder(inputs_embeds=x, past_key_values=cache, use_cache=cache is not None,
                             attention_mask=attention_mask).last_hidden_state
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
-        logits = h @ self.head_weight.T
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids, logits)
-
     @property
     def hidden_size(self) -> int:
         return self.head.fc.weight.shape[0]
@@ -138,7 +119,7 @@ class FeatureDrafter(Drafter):
         ids = torch.tensor([seq], dtype=torch.long, device=self.target.device)
         f = self.target.model.get_decoder()(input_ids=ids).last_hidden_state
         out = self.run(f[:, :-1].to(self.head.fc.weight.dtype), ids[:, 1:])[0]  # row t predicts seq[t + 2]
-        return self.logits(out[-n:])
+        return self.vocab_logits(out[-n:])
 
     def open(self, vocab_size: int | None = None) -> FeatureDraftSession:
         return FeatureDraftSession(self, vocab_size or self.target.vocab_size)
@@ -186,7 +167,7 @@ class FeatureDraftSession(DraftSession):
         while self.length < need:  # past the verified prefix
             self._extend(self.outs[-1:], seq[self.length + 1:self.length + 2])
         out = self.outs[-1]
-        logits = fit_vocab(self.d.logits(out).float(), self.vocab_size)
+        logits = fit_vocab(self.d.vocab_logits(out).float(), self.vocab_size)
         return draft_token(logits, params, generator, out if want_hidden else None)
 
     def _extend(self, feats: torch.Tensor, ids: list[int]) -> None:

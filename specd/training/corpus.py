@@ -139,7 +139,8 @@ def batched_generate(target: LoadedModel, prompts: Sequence[Sequence[int]], temp
 
 
 def self_instruct_prompts(target: LoadedModel, n: int, batch_size: int, seed: int) -> list[str]:
-    """n questions written by the target itself (T=1), one topic each, in rotation."""
+    """Up to n questions written by the target itself (T=1), on a seeded random topic each
+    (answers that are not one line of 10-300 characters are dropped)."""
     rng = random.Random(seed)
     asks = [SELF_INSTRUCT.format(t=rng.choice(TOPICS)) for _ in range(n)]
     out = []
@@ -213,6 +214,8 @@ def build_corpus(target: LoadedModel, work_dir: Path, positions: int, *, prompt_
         raise InvalidRequest("positions", f"must be at least 1, got {positions}")
     if batch_size < 1:
         raise InvalidRequest("batch_size", f"must be at least 1, got {batch_size}")
+    if max_new_tokens < 1:  # every answer then holds a token (an EOS at least): the loop ends
+        raise InvalidRequest("max_new_tokens", f"must be at least 1, got {max_new_tokens}")
     if not temperatures or any(t < 0 for t in temperatures):
         raise InvalidRequest("temperatures", "needs one or more temperatures >= 0")
     work_dir = Path(work_dir)

@@ -1,4 +1,6 @@
-"""Training the early-exit drafter's adapter by distillation from the target.
+"""Training the early-exit drafter's adapter by distillation from the target, and the
+distillation loop every drafter kind shares (`distill`; the feature head's step is in
+specd.training.feature).
 
 For every generated position of the corpus (specd.training.corpus) the target's next-token
 distribution p is the teacher and the drafter's q the student:

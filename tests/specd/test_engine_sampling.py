@@ -94,3 +94,43 @@ def test_negative_control_draft_samples_fail(pair):
         first[t0] += 1
         second[t0 * V + t1] += 1
     assert min(pooled_chisquare(first, joint.sum(1), RUNS), pooled_chisquare(second, joint, RUNS)) < 1e-3
+
+
+def exact_after_first(model, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2) [V, V] of the target alone, t0 marginalised out: the feature drafter can only
+    draft once the target has computed features, i.e. from the second generated token on."""
+    with torch.no_grad():
+        p0 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], params)
+        p1 = logits_to_probs(model(torch.tensor([PROMPT + [a] for a in range(V)])).logits[:, -1], params)
+        batch = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+        p2 = logits_to_probs(model(batch).logits[:, -1], params).reshape(V, V, V)
+    return torch.einsum("a,ab,abc->bc", p0, p1, p2).numpy()
+
+
+@pytest.mark.parametrize("kind", ["early-exit", "feature"])
+def test_reduced_vocabulary_drafters_sample_the_target(pair, kind):
+    """Drafters that can only propose half the vocabulary (q = 0 elsewhere): the tokens they
+    never propose must still come out at the target's rate, through the residual."""
+    from specd.drafters import EarlyExitDrafter, FeatureDrafter
+
+    target, _ = pair
+    drafter = EarlyExitDrafter(target, 1) if kind == "early-exit" else FeatureDrafter(target)
+    drafter.set_vocab(torch.arange(0, V // 2))
+    engine = SpeculativeEngine(target, drafter)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    # The early-exit drafter drafts from the first token; the feature drafter from the second.
+    skip = 0 if kind == "early-exit" else 1
+    joint = exact_two_token(target.model, params) if skip == 0 else exact_after_first(target.model, params)
+    first, second, paths = Counter(), Counter(), Counter()
+    for seed in range(RUNS):
+        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2 + skip),
+                              SpecParams("constant", policy_params={"k": 2}))
+        t0, t1 = out.token_ids[skip:]
+        first[t0] += 1
+        second[t0 * V + t1] += 1
+        if out.stats.accepted_lengths:
+            paths[out.stats.accepted_lengths[0]] += 1
+    assert paths[0] > 50 and sum(paths.values()) - paths[0] > 50  # rejections and acceptances
+    assert sum(c for t, c in first.items() if t >= V // 2) > 50  # tokens the draft cannot propose
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3

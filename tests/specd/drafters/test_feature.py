@@ -29,14 +29,14 @@ def _features(target, seq):
 
 def _logits(d, h):
     with torch.no_grad():
-        return d.logits(h)
+        return d.vocab_logits(h)
 
 
 def _batch_logits(d, feats, seq):
     """The head over features[0..T-1] and tokens seq[1..T] in one forward: logits at T-1."""
     with torch.no_grad():
         out = d.run(feats[None], torch.tensor([seq[1:feats.shape[0] + 1]]))
-    return d.logits(out[0, -1])
+    return d.vocab_logits(out[0, -1])
 
 
 def test_incremental_drafting_equals_a_batch_forward(tiny_target, drafter):

@@ -64,5 +64,7 @@ def test_bad_input_names_the_field_or_line(target, tmp_path):
         file_prompts([bad])
     with pytest.raises(InvalidRequest, match="positions"):
         build_corpus(target, tmp_path, 0)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        build_corpus(target, tmp_path, 10, max_new_tokens=0)
     with pytest.raises(InvalidRequest, match="temperatures"):
         build_corpus(target, tmp_path, 10, temperatures=(-1.0,))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specd.drafters import EarlyExitDrafter
+from specd.drafters import EarlyExitDrafter, FeatureDrafter
 from specd.drafters.early_exit import ResidualAdapter, read_adapter_meta
 from specd.engine import SpeculativeEngine
 from specd.errors import ModelError
@@ -102,6 +102,10 @@ def test_adapter_files_are_checked(tiny_target, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelError, match="not a safetensors file"):
         EarlyExitDrafter(tiny_target, adapter_path=tmp_path / "junk.safetensors")
+    feature = tmp_path / "feature.safetensors"
+    FeatureDrafter(tiny_target).save(feature)
+    with pytest.raises(ModelError, match="not an early-exit adapter"):
+        EarlyExitDrafter(tiny_target, adapter_path=feature)
     # A file from before adapters carried metadata: the rank-64 mlp's keys, unprefixed.
     legacy = tmp_path / "legacy.safetensors"
     save_file({k: v.contiguous() for k, v in ResidualAdapter(64, 64).state_dict().items()}, str(legacy))
@@ -109,7 +113,6 @@ def test_adapter_files_are_checked(tiny_target, tmp_path):
 
 
 def test_the_feature_head_learns_and_drafts_losslessly(tiny_target, corpus, tmp_path, hf_greedy):
-    from specd.drafters import FeatureDrafter
     from specd.training.feature import train_feature
 
     out = tmp_path / "feature.safetensors"
