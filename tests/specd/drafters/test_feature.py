@@ -113,7 +113,19 @@ def test_teacher_forced_logits_are_the_first_draft_after_each_verified_prefix(ti
         assert torch.allclose(_logits(drafter, step.hidden), batch[i], atol=1e-5), i
 
 
-def test_the_cost_measurement_runs_the_head(tiny_target, drafter):
+def test_the_cost_measurement_runs_the_head(tiny_target, drafter, monkeypatch):
+    """measure_t_draft must time real draft steps: features first, or the session drafts nothing."""
     from specd.costs import measure_t_draft, synthetic_prefix
+    from specd.drafters.feature import FeatureDraftSession
 
-    assert measure_t_draft(drafter, synthetic_prefix(tiny_target.vocab_size)) > 0
+    drafted = []
+    real_next = FeatureDraftSession.next
+
+    def counting_next(self, *args, **kwargs):
+        token = real_next(self, *args, **kwargs)
+        drafted.append(token is not None)
+        return token
+
+    monkeypatch.setattr(FeatureDraftSession, "next", counting_next)
+    assert measure_t_draft(drafter, synthetic_prefix(tiny_target.vocab_size), repeats=3) > 0
+    assert len(drafted) >= 4 and all(drafted)
