@@ -6,11 +6,16 @@ continuation) and is told by `rollback` how much of the sequence survived verifi
 
 from __future__ import annotations
 
+import copy
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from specd.errors import ModelError
 from specd.models.session import KVSession
@@ -68,6 +73,31 @@ class Drafter(ABC):
         the drafter's own (distributions are cropped or padded to it)."""
 
 
+def shallow_decoder(base: torch.nn.Module, layers: list[torch.nn.Module]) -> torch.nn.Module:
+    """A shallow copy of a transformers decoder that shares every module (embeddings, rotary,
+    final norm) but runs only `layers`; with each layer's attention layer_idx its index in
+    that list, it can own a DynamicCache of its own."""
+    dec = copy.copy(base)
+    dec._modules = dict(base._modules)
+    dec.layers = torch.nn.ModuleList(layers)
+    dec.config = copy.copy(base.config)
+    dec.config.num_hidden_layers = len(layers)
+    return dec
+
+
+def read_adapter_meta(path: str | Path) -> dict:
+    """The metadata of an adapter file: layers, adapter, rank (and what it was trained on)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"adapter file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise ModelError(f"adapter {path} is not a safetensors file: {e}") from e
+    return {k: (json.loads(v) if k == "train" else v) for k, v in meta.items()}
+
+
 class ReducedVocab:
     """Mixin for drafters that use the target's LM head: drafting over a reduced vocabulary
     (FR-Spec, Zhao et al. 2025) computes only the head rows of those tokens; the others get
@@ -88,6 +118,30 @@ class ReducedVocab:
             raise ModelError("draft vocabulary ids are outside the target's vocabulary")
         self.vocab_ids = ids
         self.head_weight = self.lm_head.weight.detach()[ids].contiguous()
+
+    def load_trained(self, path: Path, module: torch.nn.Module, prepare=lambda tensors: tensors) -> None:
+        """Load a trained file's weights into `module` and its draft vocabulary, refusing a file
+        made for another target (its kind is the caller's to check)."""
+        meta = read_adapter_meta(path)
+        if meta.get("target") and meta["target"] != self.target.name:
+            raise ModelError(f"{path} was trained for target {meta['target']}, not {self.target.name}")
+        tensors = load_file(str(path), device=str(self.target.device))
+        vocab = tensors.pop("vocab_ids", None)
+        try:
+            module.load_state_dict(prepare(tensors))
+        except RuntimeError as e:
+            raise ModelError(f"{path} does not fit this drafter: {e}") from e
+        self.set_vocab(vocab)
+
+    def save_trained(self, path: Path, module: torch.nn.Module, meta: dict[str, str], train: dict | None) -> None:
+        """Write `module`'s weights, the draft vocabulary and metadata (the training report as JSON)."""
+        tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+        if self.vocab_ids is not None:
+            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
+        meta = {**meta, "target": self.target.name}
+        if train is not None:
+            meta["train"] = json.dumps(train)
+        save_file(tensors, str(path), metadata=meta)
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""

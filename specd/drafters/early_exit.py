@@ -22,15 +22,12 @@ An adapter file (safetensors) records its layers, kind and rank in its metadata,
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab
+from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab, read_adapter_meta, shallow_decoder
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 from specd.models.session import KVSession
@@ -58,19 +55,6 @@ class ResidualAdapter(nn.Module):
         return h + self.up(nn.functional.silu(self.down(h)))
 
 
-def read_adapter_meta(path: str | Path) -> dict:
-    """The metadata of an adapter file: layers, adapter, rank (and what it was trained on)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"adapter file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types for a bad header
-        raise ModelError(f"adapter {path} is not a safetensors file: {e}") from e
-    return {k: (json.loads(v) if k == "train" else v) for k, v in meta.items()}
-
-
 class EarlyExitDrafter(Drafter, ReducedVocab):
     kind = "early-exit"
 
@@ -94,18 +78,13 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         self.adapter_kind = adapter
         self.adapter_name: str | None = None  # set once a trained adapter is loaded
         dtype = next(base.parameters()).dtype
-        # A shallow copy of the decoder that shares every module but keeps only k layers;
-        # its attention layers keep layer_idx 0..k-1, so it can own a k-layer DynamicCache.
+        # The target's first k layers (layer_idx 0..k-1), shared.
         kept = list(base.layers[:layers])
         self.extra_layer: nn.Module | None = None
         if adapter == "layer":  # target layer k, copied: layer_idx k, the cache's (k+1)-th layer
             self.extra_layer = copy.deepcopy(base.layers[layers]).to(target.device).eval()
             kept.append(self.extra_layer)
-        self.decoder = copy.copy(base)
-        self.decoder._modules = dict(base._modules)
-        self.decoder.layers = nn.ModuleList(kept)
-        self.decoder.config = copy.copy(base.config)
-        self.decoder.config.num_hidden_layers = len(kept)
+        self.decoder = shallow_decoder(base, kept)
         self.lm_head = target.model.get_output_embeddings()
         self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
         self.set_vocab(None)  # ReducedVocab: a trained adapter may bring its own
@@ -127,28 +106,13 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
 
     def load_adapter(self, path: str | Path) -> None:
         path = Path(path)
-        meta = read_adapter_meta(path)
-        target = meta.get("target")
-        if target and target != self.target.name:
-            raise ModelError(f"adapter {path} was trained for target {target}, not {self.target.name}")
-        tensors = load_file(str(path), device=str(self.target.device))
-        vocab = tensors.pop("vocab_ids", None)
-        try:
-            self.trainable().load_state_dict(_prefixed(tensors))
-        except RuntimeError as e:
-            raise ModelError(f"adapter {path} does not fit this drafter: {e}") from e
-        self.set_vocab(vocab)
+        self.load_trained(path, self.trainable(), _prefixed)
         self.adapter_name = path.stem
 
     def save_adapter(self, path: str | Path, train: dict | None = None) -> None:
-        tensors = {k: v.detach().contiguous() for k, v in self.trainable().state_dict().items()}
-        if self.vocab_ids is not None:
-            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
-        meta = {"kind": self.kind, "layers": str(self.layers), "adapter": self.adapter_kind,
-                "rank": str(self.adapter.down.out_features), "target": self.target.name}
-        if train is not None:
-            meta["train"] = json.dumps(train)
-        save_file(tensors, str(path), metadata=meta)
+        self.save_trained(Path(path), self.trainable(), {
+            "kind": self.kind, "layers": str(self.layers), "adapter": self.adapter_kind,
+            "rank": str(self.adapter.down.out_features)}, train)
 
     def forward(self, input_ids, cache, num_logits, want_hidden):
         h = self.decoder(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state

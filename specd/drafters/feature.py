@@ -18,16 +18,22 @@ as a copy of the target's last layer); embeddings, norm and LM head are the targ
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache
 
-from specd.drafters.base import Drafter, DraftSession, DraftToken, ReducedVocab, draft_token, fit_vocab
-from specd.drafters.early_exit import read_adapter_meta
+from specd.drafters.base import (
+    Drafter,
+    DraftSession,
+    DraftToken,
+    ReducedVocab,
+    draft_token,
+    fit_vocab,
+    read_adapter_meta,
+    shallow_decoder,
+)
 from specd.errors import ModelError
 from specd.models.loading import LoadedModel
 
@@ -58,11 +64,7 @@ class FeatureDrafter(Drafter, ReducedVocab):
             self.head.fc.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
         # A one-layer decoder sharing the target's embeddings, rotary and norm (not registered
         # in the head, so the head's state dict holds only what it trains).
-        self.decoder = copy.copy(base)
-        self.decoder._modules = dict(base._modules)
-        self.decoder.layers = nn.ModuleList([self.head.layer])
-        self.decoder.config = copy.copy(base.config)
-        self.decoder.config.num_hidden_layers = 1
+        self.decoder = shallow_decoder(base, [self.head.layer])
         self.embed = base.embed_tokens
         self.lm_head = target.model.get_output_embeddings()
         self.set_vocab(None)  # ReducedVocab
@@ -80,25 +82,11 @@ class FeatureDrafter(Drafter, ReducedVocab):
         meta = read_adapter_meta(path)
         if meta.get("kind") != self.kind:
             raise ModelError(f"{path} holds a {meta.get('kind', 'unknown')} drafter, not a feature head")
-        if meta.get("target") and meta["target"] != self.target.name:
-            raise ModelError(f"{path} was trained for target {meta['target']}, not {self.target.name}")
-        tensors = load_file(str(path), device=str(self.target.device))
-        vocab = tensors.pop("vocab_ids", None)
-        try:
-            self.head.load_state_dict(tensors)
-        except RuntimeError as e:
-            raise ModelError(f"{path} does not fit this target: {e}") from e
-        self.set_vocab(vocab)
+        self.load_trained(path, self.head)
         self.head_name = path.stem
 
     def save(self, path: str | Path, train: dict | None = None) -> None:
-        tensors = {k: v.detach().contiguous() for k, v in self.head.state_dict().items()}
-        if self.vocab_ids is not None:
-            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
-        meta = {"kind": self.kind, "target": self.target.name}
-        if train is not None:
-            meta["train"] = json.dumps(train)
-        save_file(tensors, str(path), metadata=meta)
+        self.save_trained(Path(path), self.head, {"kind": self.kind}, train)
 
     def run(self, feats: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache | None = None,
             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
