@@ -1,4 +1,4 @@
-"""`specd serve draft|target|coordinator|gateway` and `specd up`.
+"""`specd serve draft|target|coordinator|gateway|trainer` and `specd up`.
 
 Flags of `serve` are generated from each service's settings class (services.common.settings),
 so a flag, its SPECD_* environment variable and its validation can never disagree; a flag
@@ -25,15 +25,21 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.common.settings import CoordinatorSettings, DraftSettings, GatewaySettings, TargetSettings
+from services.common.settings import (
+    CoordinatorSettings,
+    DraftSettings,
+    GatewaySettings,
+    TargetSettings,
+    TrainerSettings,
+)
 from specd.errors import SpecdError
 
 SERVICES = {"draft": DraftSettings, "target": TargetSettings, "coordinator": CoordinatorSettings,
-            "gateway": GatewaySettings}
+            "gateway": GatewaySettings, "trainer": TrainerSettings}
 
 
 def add_commands(sub) -> None:
-    serve = sub.add_parser("serve", help="run one service: draft, target, coordinator or gateway")
+    serve = sub.add_parser("serve", help="run one service: draft, target, coordinator, gateway or trainer (DVI)")
     which = serve.add_subparsers(dest="service", required=True, parser_class=type(serve))
     for name, settings in SERVICES.items():
         p = which.add_parser(name, help=(settings.__doc__ or f"the {name} service").splitlines()[0],
@@ -82,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from services.target.main import serve
     elif args.service == "coordinator":
         from services.coordinator.main import serve
+    elif args.service == "trainer":
+        from services.trainer.main import serve
     else:
         from services.gateway.main import serve
     try:

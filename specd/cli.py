@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_head(sub)
     _add_train_drafter(sub)
     _add_bench(sub)
+    _add_bench_dvi(sub)
     from services.cli import add_commands  # serve and up: the service processes
 
     add_commands(sub)
@@ -162,6 +163,29 @@ def _add_bench(sub) -> None:
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
+
+
+def _add_bench_dvi(sub) -> None:
+    b = sub.add_parser("bench-dvi", help="online learning (DVI): acceptance against updates over a prompt stream",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(b)
+    b.set_defaults(drafter="early-exit")
+    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    b.add_argument("--limit", type=int, help="prompts in the stream (default: all)")
+    b.add_argument("--policy", default="constant", help="stopping policy of the speculative runs")
+    b.add_argument("--max-draft-tokens", type=int, help="cap on tokens per window (default: the policy's)")
+    b.add_argument("--policy-param", type=_policy_param, action="append", default=[], metavar="NAME=NUMBER")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--updates-per-record", type=float, default=0.5,
+                   help="trainer updates per logged draft position")
+    b.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    b.add_argument("--lr", type=float, default=2e-3)
+    b.add_argument("--batch-size", type=int, default=64, help="records per update")
+    b.add_argument("--kl-steps", type=int, default=200, help="updates of pure distillation before the RL terms")
+    b.add_argument("--out", type=Path, default=Path("bench-dvi-out"))
+    b.set_defaults(func=cmd_bench_dvi)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +323,34 @@ def cmd_train_drafter(args) -> int:
     report["wall_time_s"] = round(time.perf_counter() - started, 1)
     report["out"] = str(args.out)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_dvi(args) -> int:
+    from specd.bench.datasets import bench_prompts, load_questions, messages
+    from specd.bench.dvi import machine, run_dvi_bench, write_dvi_outputs
+    from specd.dvi import TrainerConfig
+    from specd.types import SamplingParams, SpecParams
+
+    if not args.updates_per_record >= 0:
+        raise InvalidRequest("updates_per_record", f"must be at least 0, got {args.updates_per_record}")
+    sampling = SamplingParams(args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    sampling.validate()
+    spec = SpecParams(args.policy, args.max_draft_tokens, dict(args.policy_param))
+    config = TrainerConfig(rank=args.rank, lr=args.lr, batch_size=args.batch_size, kl_steps=args.kl_steps,
+                           seed=args.seed)
+    config.validate()
+    questions = load_questions(args.dataset, args.limit)
+    target, drafter = _load(args)
+    prompts = [target.encode_prompt(messages(p, None), True) for p in bench_prompts(questions, "1")]
+    doc = run_dvi_bench(target, drafter, prompts, sampling, spec, config, args.updates_per_record)
+    doc |= {"command": " ".join(["specd", *sys.argv[1:]]), "drafter": drafter.name, "target": target.name,
+            "dataset": str(args.dataset), "config": vars(config), "machine": machine(),
+            "sampling": {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+            "policy": args.policy}
+    for path in write_dvi_outputs(doc, args.out):
+        print(path)
+    print(json.dumps(doc["summary"], indent=2))
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 from specd.costs import CostCurve, cached_cost_curve, measure_cost_curve
 from specd.drafters.base import Drafter
+from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import (
@@ -52,13 +53,17 @@ class SpeculativeEngine:
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
                  state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None,
-                 costs: CostCurve | None = None, costs_cache_dir: Path | None = None):
+                 costs: CostCurve | None = None, costs_cache_dir: Path | None = None,
+                 replay: ReplayStream | None = None):
         self.target = target
         self.drafter = drafter
         self.state_store = state_store if state_store is not None else MemoryStateStore()
         self.specdecpp_head = specdecpp_head
         self._costs = costs
         self.costs_cache_dir = costs_cache_dir  # keep the start-up measurement on disk (one-shot commands)
+        if replay is not None and (drafter is None or not drafter.learns_online):
+            raise InvalidRequest("drafter", "online learning (DVI) needs an early-exit or feature drafter")
+        self.replay = replay  # DVI: judged draft positions are logged here (specd.dvi)
 
     @property
     def costs(self) -> CostCurve:
@@ -115,6 +120,7 @@ class GenerationRun:
         self.target_kv = target.session()
         self.draft_session = self.drafter.open() if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
+        self.replay = engine.replay if self.drafter is not None else None
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
 
@@ -166,6 +172,9 @@ class GenerationRun:
         del seq[committed:]  # drafts leave the committed sequence until verified
         verdict = self._verify(logits, drafts, qs)
         n = verdict.num_accepted
+        if self.replay is not None and k:
+            self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
+                                           self.drafter.lora_version))
         # The caches keep committed + accepted tokens; the new token is fed next round.
         self.target_kv.rollback(committed + n)
         if self.draft_session is not None:
@@ -210,12 +219,13 @@ class GenerationRun:
             return drafts, qs, steps, dropped, False
         t0 = time.perf_counter()
         policy, session, seq = self.policy, self.draft_session, self.seq
+        want_hidden = policy.needs_hidden or self.replay is not None
         policy.begin_round()
         if not policy.should_draft():
             return drafts, qs, steps, dropped, False
         hit_cap = False
         while True:
-            d = session.next(seq, self.sampling, self.generator, policy.needs_hidden)
+            d = session.next(seq, self.sampling, self.generator, want_hidden)
             if d is None:
                 break
             step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,

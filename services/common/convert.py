@@ -59,3 +59,21 @@ def model_info(m: LoadedModel) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(name=m.name, vocab_size=m.vocab_size, tokenizer_fingerprint=fingerprint,
                                 max_context=m.max_context, eos_token_ids=sorted(m.eos_token_ids),
                                 device=f"{m.device}/{dtype}")
+
+
+def top_logprobs_to_proto(top: tuple[torch.Tensor, torch.Tensor] | None) -> list[common_pb2.TopLogprobs]:
+    """(log-probs [j, k], ids [j, k]) from specd.dvi.top_logprobs -> one message per position."""
+    if top is None:
+        return []
+    lps, ids = top
+    return [common_pb2.TopLogprobs(ids=i, logprobs=lp) for i, lp in zip(ids.tolist(), lps.tolist())]
+
+
+def top_logprobs_from_proto(msgs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per position (ids [k], log-probs [k]); a message with unequal lengths is refused."""
+    out = []
+    for m in msgs:
+        if len(m.ids) != len(m.logprobs) or not m.ids:
+            raise ValueError(f"{len(m.ids)} ids but {len(m.logprobs)} log-probs")
+        out.append((torch.tensor(list(m.ids), dtype=torch.long), torch.tensor(list(m.logprobs), dtype=torch.float32)))
+    return out

@@ -21,7 +21,7 @@ class GrpcServiceSettings(ServiceSettings):
                               description="port of the Prometheus /metrics endpoint (0: any free port)")
 
 
-class ModelSettings(GrpcServiceSettings):
+class ModelFields(BaseSettings):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | shard (auto: CUDA when present; "
                                                "shard: layers spread over every visible GPU)")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
@@ -30,25 +30,50 @@ class ModelSettings(GrpcServiceSettings):
                                    description="where the embedded model's dequantized weights are kept")
 
 
-def redis_field():
-    return Field(None, validation_alias=AliasChoices("redis_url", "SPECD_REDIS_URL"),
-                 description="Redis for shared adaptive policy state (unset: in-process memory)")
+class ModelSettings(GrpcServiceSettings, ModelFields):
+    pass
 
 
-class DraftSettings(ModelSettings):
+class EarlyExitFields(BaseSettings):
+    target_model: str = Field("embedded", description="the target model: early-exit drafts with its layers")
+    draft_layers: int = Field(4, ge=1, le=256, description="target layers used by early-exit")
+    draft_adapter: Path | None = Field(None, description="trained early-exit adapter (safetensors; default: "
+                                                         "the bundled one for the embedded target at 4 "
+                                                         "layers; 'none': untrained)")
+
+
+def redis_field(description: str = "Redis for shared adaptive policy state (unset: in-process memory)"):
+    return Field(None, validation_alias=AliasChoices("redis_url", "SPECD_REDIS_URL"), description=description)
+
+
+class DraftSettings(ModelSettings, EarlyExitFields):
     model_config = SettingsConfigDict(env_prefix="SPECD_DRAFT_")
 
     port: int = Field(50061, ge=0, le=65535)
     metrics_port: int = Field(9101, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram)$",
                          description="ngram (no model), early-exit (the target's first layers) or hf")
-    target_model: str = Field("embedded", description="the target model: early-exit drafts with its layers")
     draft_model: str | None = Field(None, description="transformers directory for --drafter hf")
-    draft_layers: int = Field(4, ge=1, le=256, description="target layers used by early-exit")
-    draft_adapter: Path | None = Field(None, description="trained early-exit adapter (safetensors; default: "
-                                                         "the bundled one for the embedded target at 4 "
-                                                         "layers; 'none': untrained)")
     specdecpp_head: Path | None = Field(None, description="SpecDec++ head (default: the bundled one)")
+    dvi: bool = Field(False, description="learn online (DVI, early-exit only): log judged drafts to Redis and "
+                                         "hot-swap the adapters `specd serve trainer` publishes; needs redis_url")
+    dvi_poll_s: float = Field(1.0, gt=0, le=3600, description="seconds between checks for a new DVI adapter")
+    redis_url: str | None = redis_field("Redis holding the DVI replay stream and adapters (with dvi)")
+
+
+class TrainerSettings(ServiceSettings, ModelFields, EarlyExitFields):
+    """the DVI trainer: learns the early-exit drafter's adapter online from the replay stream"""
+    model_config = SettingsConfigDict(env_prefix="SPECD_TRAINER_")
+
+    port: int = Field(9104, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
+    redis_url: str | None = redis_field("Redis holding the DVI replay stream and adapters (required)")
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank")
+    lr: float = Field(2e-3, gt=0, le=1.0, description="AdamW learning rate")
+    batch_size: int = Field(64, ge=1, le=65536, description="records per update")
+    kl_steps: int = Field(200, ge=0, description="updates of pure distillation before the RL terms join")
+    updates_per_record: float = Field(1.0, gt=0, le=64, description="updates made per record read")
+    publish_every: int = Field(50, ge=1, description="publish the adapter every this many updates")
+    checkpoint: Path | None = Field(None, description="file to keep the trainer's state in and resume from")
 
 
 class TargetSettings(ModelSettings):

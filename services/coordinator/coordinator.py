@@ -200,7 +200,8 @@ class Coordinator:
         state = await self._load_state(self._state_key(cfg, draft.name))
         send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
         return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name,
-                                   verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s)
+                                   verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s,
+                                   top_logprobs=draft.top_logprobs)
 
     def _current_curve(self) -> tuple[float, ...]:
         """The target's start-up cost curve, scaled by how its decode cost has drifted since."""

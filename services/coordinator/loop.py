@@ -93,6 +93,7 @@ class LoopConfig:
     drafter: str | None
     verify_seconds: tuple[float, ...] = ()  # the target's cost curve, for cost-aware policies
     round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
+    top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
 
 
 class RequestLoop:
@@ -292,6 +293,8 @@ class RequestLoop:
             msg.distributions.extend(t.q for t in chunk)
         if self.threshold is not None and self.cfg.spec.relaxed:
             msg.relaxed_threshold = self.threshold
+        if chunk and not self.stats.fallback:
+            msg.top_logprobs = self.cfg.top_logprobs
         self.sent_at = time.perf_counter()
         await self._write_target(target_pb2.TargetRequest(verify=msg))
 
@@ -318,7 +321,7 @@ class RequestLoop:
             self.unacked += 1
             await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
                 commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
-                js_distances=v.js_distances)))
+                js_distances=v.js_distances, top_logprobs=v.top_logprobs)))
         return emitted
 
     def _record(self, k: int, n: int, v: target_pb2.Verified) -> None:

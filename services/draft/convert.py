@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from services.common.convert import distribution_to_proto, sampling_from_proto
+from services.common.convert import distribution_to_proto, sampling_from_proto, top_logprobs_from_proto
 from services.draft.runner import Ack, Commit, Token, WindowEnd
 from services.proto.specd.draft.v1 import draft_pb2
+from specd.errors import InvalidRequest
 from specd.types import SamplingParams, SpecParams
 
 REASONS = {
@@ -22,8 +23,14 @@ def open_from_proto(msg: draft_pb2.OpenDraft) -> tuple[list[int], SamplingParams
 
 
 def commit_from_proto(msg: draft_pb2.Commit) -> Commit:
+    try:
+        top = tuple(top_logprobs_from_proto(msg.top_logprobs))
+    except ValueError as e:
+        raise InvalidRequest("top_logprobs", str(e)) from None
+    if len(top) > msg.num_verified:
+        raise InvalidRequest("top_logprobs", f"{len(top)} positions for {msg.num_verified} verified drafts")
     return Commit(msg.commit_id, tuple(msg.tokens), msg.num_verified, msg.num_strict,
-                  tuple(msg.js_distances))
+                  tuple(msg.js_distances), top)
 
 
 def event_to_proto(event) -> draft_pb2.DraftResponse:

@@ -10,6 +10,7 @@ from services.common.server import serve_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
 from services.proto.specd.draft.v1 import draft_pb2_grpc
+from specd.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,21 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter)
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)
     head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None
-    return DraftServicer(drafter, model, head)
+    dvi = None
+    if s.dvi:
+        if not s.redis_url:
+            raise InvalidRequest("redis_url", "online learning (dvi) keeps its replay stream in Redis; set redis_url")
+        from services.common.replay import RedisDVI
+
+        dvi = RedisDVI(s.redis_url, drafter.name)
+    return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s)
 
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
     server, port = await start_server(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer,
                                       s.host, s.port, servicer.rpc_metrics.observe)
+    await servicer.start_learning()
     log.info("draft service (%s) listening on %s:%d", servicer.drafter.name, s.host, port)
     return server, port
 

@@ -9,6 +9,10 @@
                                           windows ended, by why: policy (the stopping policy said
                                           stop), cap (max_draft_tokens), no_proposal, length
   specd_active_sessions{service="draft"}, specd_kv_cache_bytes{service="draft"}
+  specd_dvi_records_total{outcome}        online learning (DVI): judged draft positions logged to
+                                          the replay stream, or dropped (Redis slow or down)
+  specd_dvi_adapter_version               the online-learned adapter version in use (0: none)
+  specd_dvi_adapter_swaps_total           adapters hot-swapped into the drafter
 
 PromQL: draft tokens per second, and the share of windows the policy ended itself
   sum(rate(specd_draft_tokens_total[5m]))
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import STEP_BUCKETS, active_sessions, kv_cache_bytes
 
@@ -36,3 +40,9 @@ class DraftMetrics:
                               registry=registry)
         self.windows = Counter("specd_draft_windows", "draft windows ended, by reason",
                                ["drafter", "policy", "reason"], registry=registry)
+        self.dvi_records = Counter("specd_dvi_records", "judged draft positions for online learning, by outcome",
+                                   ["drafter", "outcome"], registry=registry)
+        self.adapter_version = Gauge("specd_dvi_adapter_version", "online-learned adapter version in use",
+                                     ["drafter"], registry=registry).labels(drafter)
+        self.adapter_swaps = Counter("specd_dvi_adapter_swaps", "adapters hot-swapped into the drafter",
+                                     ["drafter"], registry=registry).labels(drafter)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.drafters.base import DraftSession, DraftToken
+from specd.dvi import Record
 from specd.policies import Decision, StoppingPolicy
 from specd.types import DraftStep, RoundOutcome, SamplingParams
 
@@ -63,6 +64,8 @@ class Commit:
     num_verified: int  # draft tokens the verification judged
     num_strict: int  # leading ones accepted by the lossless rule
     js_distances: tuple[float, ...] = ()
+    # DVI: the target's (ids, log-probs) at the judged draft positions, in order
+    top_logprobs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -83,13 +86,18 @@ class DraftRunner:
     def __init__(self, session: DraftSession, policy: StoppingPolicy, sampling: SamplingParams,
                  prompt: list[int], max_length: int, lookahead: int, send_q: bool,
                  executor: Executor, publish: Callable[[object], None],
-                 on_step: Callable[[float], None] | None = None):
+                 on_step: Callable[[float], None] | None = None,
+                 log_records: Callable[[list[Record]], None] | None = None,
+                 adapter_version: Callable[[], int] = lambda: 0):
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this runner's own drafts
         self.prompt_len = len(prompt)
         self.committed = len(prompt)
         self.max_length, self.lookahead, self.send_q = max_length, lookahead, send_q
         self.executor, self.publish, self.on_step = executor, publish, on_step
+        self.log_records, self.adapter_version = log_records, adapter_version  # online learning (DVI)
+        self.want_hidden = policy.needs_hidden or log_records is not None
+        self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> the target's top log-probs
         self.epoch = 0
         self.windows: list[_Window] = []  # not yet judged, in sequence order
         self.strict: dict[int, bool] = {}  # position -> accepted by the lossless rule
@@ -131,7 +139,7 @@ class DraftRunner:
             self._add(window, d)
 
     def _next(self, seq: list[int]) -> DraftToken | None:
-        return self.session.next(seq, self.sampling, self.generator, self.policy.needs_hidden)
+        return self.session.next(seq, self.sampling, self.generator, self.want_hidden)
 
     def _window_to_extend(self) -> _Window | None:
         """The open window, or a new one when fewer than `lookahead` ended windows await
@@ -184,6 +192,9 @@ class DraftRunner:
             self.strict[s + i] = i < c.num_strict
         for i, d in enumerate(c.js_distances):
             self.js[s + i] = d
+        if self.log_records is not None:
+            for i, top in enumerate(c.top_logprobs):
+                self.top[s + i] = top
         nxt = s + n  # position of the recovered or bonus token
         for w in self.windows:  # a dropped token is judged by the token committed in its place
             if w.dropped is not None and s <= w.end <= nxt:
@@ -238,6 +249,7 @@ class DraftRunner:
         for pos in [p for p in self.strict if p < oldest]:
             del self.strict[pos]
             self.js.pop(pos, None)
+            self.top.pop(pos, None)
         for pos in [p for p in self.emitted if p < oldest]:
             del self.emitted[pos]
 
@@ -250,3 +262,20 @@ class DraftRunner:
             dropped_accepted = self.emitted[w.end] == w.dropped.token
         self.policy.observe(RoundOutcome(len(w.tokens), n, tuple(s.entropy for s in w.steps), w.hit_cap, js,
                                          tuple(w.steps), w.dropped, dropped_accepted))
+        if self.log_records is not None:
+            self._log(w, judged, n)
+
+    def _log(self, w: _Window, judged: list[bool | None], n: int) -> None:
+        """DVI: the window's drafts up to and including the first rejected one, each with the
+        target's top log-probs there (positions the target did not judge, such as a draft that
+        was compared with a bonus token, have none and are left out)."""
+        version = self.adapter_version()
+        records = []
+        for i in range(min(n + 1, len(w.tokens))):
+            top, step = self.top.get(w.start + i), w.steps[i]
+            if top is None or judged[i] is None or step.hidden is None:
+                continue
+            records.append(Record(step.hidden.detach().float().cpu(), w.tokens[i], float(judged[i]), top[0], top[1],
+                                  version))
+        if records:
+            self.log_records(records)

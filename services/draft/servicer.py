@@ -11,13 +11,16 @@ from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
+from services.common.replay import RedisDVI
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
+from services.draft.learning import OnlineLearning
 from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from specd.costs import CostCurve, measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
+from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import POLICIES, PolicyResources, build_policy, policy_class
@@ -28,7 +31,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0):
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one compute thread
         self.runners: set[DraftRunner] = set()
@@ -39,6 +42,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         # Seconds per draft step: measured at start-up, then a moving average of served steps.
         prefix = synthetic_prefix(model.vocab_size if model is not None else 1000)
         self.t_draft = measure_t_draft(drafter, prefix, repeats=3)
+        self.learning: OnlineLearning | None = None  # DVI: started by start_learning()
+        if dvi is not None:
+            if not drafter.learns_online:
+                raise InvalidRequest("dvi", f"online learning needs an early-exit or feature drafter, "
+                                            f"not {drafter.kind}")
+            self.learning = OnlineLearning(dvi, drafter, self.executor, self.metrics, dvi_poll_s)
+
+    async def start_learning(self) -> None:
+        """Start logging to the replay stream and following published adapters (on the server's loop)."""
+        if self.learning is not None:
+            await self.learning.sync()  # the latest adapter before the first session
+            await self.learning.start()
+
+    def close(self) -> None:
+        if self.learning is not None:
+            for task in self.learning.tasks:
+                task.cancel()
 
     @property
     def active_sessions(self) -> int:
@@ -47,8 +67,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Info(self, request, context) -> draft_pb2.DraftInfo:
         info = model_info(self.model) if self.model is not None else common_pb2.ModelInfo(name="-")
         policies = [p for p in POLICIES if p != "oracle"]
+        learning = self.learning is not None
         return draft_pb2.DraftInfo(model=info, kind=self.drafter.kind, name=self.drafter.name,
-                                   has_distribution=self.drafter.has_distribution, policies=policies)
+                                   has_distribution=self.drafter.has_distribution, policies=policies,
+                                   top_logprobs=TOP_K if learning else 0,
+                                   adapter_version=self.drafter.lora_version if learning else 0)
 
     async def Session(self, requests, context: grpc.aio.ServicerContext):
         first = await anext(aiter(requests), None)
@@ -98,8 +121,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         costs = self._costs(msg) if policy_class(spec.policy).needs_costs else None
         policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head, costs))
         send_q = msg.send_distributions and self.drafter.has_distribution
+        learning = self.learning
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
-                           msg.lookahead, send_q, self.executor, publish, self._on_step)
+                           msg.lookahead, send_q, self.executor, publish, self._on_step,
+                           learning.log if learning is not None else None,
+                           lambda: self.drafter.lora_version)
 
     def _costs(self, msg: draft_pb2.OpenDraft) -> CostCurve:
         """This session's cost curve: the target's (from the coordinator) and this service's t_draft."""

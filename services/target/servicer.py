@@ -18,6 +18,7 @@ from services.common.convert import (
     distribution_from_proto,
     model_info,
     sampling_from_proto,
+    top_logprobs_to_proto,
 )
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
@@ -25,9 +26,11 @@ from services.target.batcher import VerifyBatcher
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
+from specd.dvi import top_logprobs
 from specd.errors import InvalidRequest, ModelError
 from specd.models.loading import LoadedModel
 
+MAX_TOP_LOGPROBS = 64
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -104,12 +107,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
         if msg.relaxed and q is None and drafts:
             raise InvalidRequest("distributions", "relaxed verification needs the draft distributions")
+        if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
         ids = session.window(drafts)
-        verdict, batch = await self.batcher.submit(
-            session.kv, ids, len(drafts) + 1,
-            lambda logits: session.verify(logits, drafts, q, threshold, msg.relaxed))
+
+        def judge(logits: torch.Tensor):
+            verdict = session.verify(logits, drafts, q, threshold, msg.relaxed)
+            top = None
+            if msg.top_logprobs and drafts:  # the judged positions: up to the first rejection
+                top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], msg.top_logprobs)
+            return verdict, top
+
+        (verdict, top), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge)
         self.metrics.observe_verify(len(drafts), batch.forward_seconds)
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
+            top_logprobs=top_logprobs_to_proto(top),
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size,

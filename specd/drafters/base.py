@@ -61,6 +61,9 @@ class Drafter(ABC):
     has_distribution: ClassVar[bool] = True
     # Reads the target's last hidden states of verified positions (DraftSession.observe_target).
     needs_target_features: ClassVar[bool] = False
+    # DVI: the drafter's head takes a LoRA trained online (set_lora, specd.dvi); its draft
+    # tokens' hidden states are the head's input.
+    learns_online: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -107,9 +110,28 @@ class ReducedVocab:
     lm_head: torch.nn.Module
     vocab_ids: torch.Tensor | None
     head_weight: torch.Tensor  # the rows computed: all, or those of vocab_ids
+    lora: torch.nn.Module | None = None  # DVI: a LoRA on the head rows (specd.dvi)
+
+    def set_lora(self, lora: torch.nn.Module | None) -> None:
+        """Use this DVI adapter from the next draft step on (None: the plain head). Safe while
+        sessions are drafting: it changes q only, never a KV cache, and every drafted token
+        carries the q it was drawn from."""
+        if lora is not None:
+            rows, hidden = self.head_weight.shape
+            if tuple(lora.B.shape[:1]) != (rows,) or lora.A.shape[1] != hidden:
+                raise ModelError(f"the DVI adapter is for a head of {lora.B.shape[0]} rows and hidden size "
+                                 f"{lora.A.shape[1]}; this drafter's has {rows} and {hidden}")
+            lora = lora.to(self.head_weight.device, self.head_weight.dtype).requires_grad_(False).eval()
+        self.lora = lora  # one assignment: a forward reads either the old or the new adapter
+
+    @property
+    def lora_version(self) -> int:
+        return getattr(self.lora, "version", 0) if self.lora is not None else 0
 
     def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
-        """Draft over these token ids only (None: the whole vocabulary)."""
+        """Draft over these token ids only (None: the whole vocabulary). Drops a DVI adapter,
+        which was trained for the old rows."""
+        self.lora = None
         if vocab_ids is None:
             self.vocab_ids, self.head_weight = None, self.lm_head.weight
             return
@@ -145,9 +167,13 @@ class ReducedVocab:
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (-inf outside a reduced draft vocabulary)."""
+        lora = self.lora
         if self.vocab_ids is None:
-            return self.lm_head(h)
+            logits = self.lm_head(h)
+            return logits if lora is None else logits + lora(h)
         logits = h @ self.head_weight.T
+        if lora is not None:
+            logits = logits + lora(h)
         full = logits.new_full((*logits.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, logits)
 

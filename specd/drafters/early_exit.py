@@ -57,6 +57,7 @@ class ResidualAdapter(nn.Module):
 
 class EarlyExitDrafter(Drafter, ReducedVocab):
     kind = "early-exit"
+    learns_online = True
 
     def __init__(self, target: LoadedModel, layers: int = 4, adapter_path: str | Path | None = None,
                  adapter: str = "mlp", rank: int = 64):

@@ -52,6 +52,7 @@ class FeatureHead(nn.Module):
 
 class FeatureDrafter(Drafter, ReducedVocab):
     kind = "feature"
+    learns_online = True
     needs_target_features = True
 
     def __init__(self, target: LoadedModel, head_path: str | Path | None = None):

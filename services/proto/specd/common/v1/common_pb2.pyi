@@ -26,6 +26,14 @@ class Distribution(_message.Message):
     sparse: SparseDistribution
     def __init__(self, dense_f32: _Optional[bytes] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ...) -> None: ...
 
+class TopLogprobs(_message.Message):
+    __slots__ = ("ids", "logprobs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class SparseDistribution(_message.Message):
     __slots__ = ("indices", "values")
     INDICES_FIELD_NUMBER: _ClassVar[int]

@@ -49,20 +49,22 @@ class OpenTarget(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed")
+    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     RELAXED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     relaxed_threshold: float
     relaxed: bool
-    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class CloseTarget(_message.Message):
     __slots__ = ()
@@ -77,7 +79,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,7 @@ class Verified(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -96,7 +99,8 @@ class Verified(_message.Message):
     batch_size: int
     decode_seconds_per_token: float
     prefill_seconds: float
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
     __slots__ = ()
