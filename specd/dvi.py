@@ -28,8 +28,8 @@ from __future__ import annotations
 import io
 import json
 import math
-import struct
 import random
+import struct
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -199,7 +199,8 @@ class DVITrainer:
     are distilled on the part inside it, renormalised (as offline training does)."""
 
     def __init__(self, head_weight: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int,
-                 config: TrainerConfig = TrainerConfig(), lora: HeadLoRA | None = None):
+                 config: TrainerConfig | None = None, lora: HeadLoRA | None = None):
+        config = config or TrainerConfig()
         config.validate()
         self.cfg = config
         self.W = head_weight.detach().float().cpu()
@@ -289,7 +290,7 @@ class DVITrainer:
         self.lora.version = self.steps
 
 
-def trainer_for(drafter, config: TrainerConfig = TrainerConfig()) -> DVITrainer:
+def trainer_for(drafter, config: TrainerConfig | None = None) -> DVITrainer:
     """A trainer for a drafter with a learnable head (early-exit, feature)."""
     if not drafter.learns_online:
         raise InvalidRequest("drafter", f"the {drafter.kind} drafter has no head to train online "

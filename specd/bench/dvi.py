@@ -108,9 +108,9 @@ def write_dvi_outputs(doc: dict, out: Path) -> list[Path]:
     s = doc["summary"]
     lines = [f"# DVI online learning: {doc['drafter']} on {doc['target']}", "",
              f"`{doc['command']}`", "",
-             f"{len(doc['rows'])} prompts, {doc['records']} records, {doc['updates']} updates, "
-             f"{doc['wall_time_s']} s. Output identical to target-only decoding on every prompt: "
-             f"{'yes' if s['identical'] else 'NO'}.", "",
+             (f"{len(doc['rows'])} prompts, {doc['records']} records, {doc['updates']} updates, "
+              f"{doc['wall_time_s']} s. Output identical to target-only decoding on every prompt: "
+              f"{'yes' if s['identical'] else 'NO'}."), "",
              "| prompts | n | acceptance (live) | agreement (learning) | agreement (frozen, same prompts) |",
              "|---|---|---|---|---|"]
     for name, part in s.items():
