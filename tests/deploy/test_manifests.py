@@ -80,7 +80,8 @@ def test_settings_have_the_documented_names_and_ports():
     assert {"SPECD_REDIS_URL", "SPECD_CACHE_DIR", "SPECD_DRAFT_DRAFTER", "SPECD_TARGET_MODEL",
             "SPECD_COORDINATOR_TARGET_ADDRESS", "SPECD_GATEWAY_COORDINATOR_ADDRESS"} <= ALL_ENV
     assert "SPECD_CACHE_DIR" in ENV_BY_KIND["target"] and "SPECD_CACHE_DIR" not in ENV_BY_KIND["gateway"]
-    assert "SPECD_REDIS_URL" in ENV_BY_KIND["coordinator"] and "SPECD_REDIS_URL" not in ENV_BY_KIND["draft"]
+    assert "SPECD_REDIS_URL" in ENV_BY_KIND["coordinator"] and "SPECD_REDIS_URL" not in ENV_BY_KIND["target"]
+    assert "SPECD_REDIS_URL" in ENV_BY_KIND["draft"]  # the DVI replay stream (--dvi)
     assert [grpc_port(k, {}) for k in GRPC_KINDS] == [50061, 50062, 50063]
     assert [metrics_port(k, {}) for k in GRPC_KINDS] == [9101, 9102, 9103]
     assert grpc_port("gateway", {}) == 8000
@@ -273,7 +274,7 @@ services:
       SPECD_DRAFT_PORT: "50061"
       SPECD_DRAFT_NOT_A_SETTING: "1"
       SPECD_TARGET_MODEL: /models/x
-      SPECD_REDIS_URL: redis://redis:6379/0
+      SPECD_GATEWAY_API_KEYS: k1
   coordinator:
     command: serve coordinator
     environment: ["SPECD_CACHE_DIR=/cache", "SPECD_COORDINATOR_TARGET_ADDRESS=target:50062"]
@@ -285,14 +286,14 @@ services:
     assert problems == [
         "snippet service draft: SPECD_DRAFT_NOT_A_SETTING is read by no settings class",
         "snippet service draft: SPECD_TARGET_MODEL is not read by the draft service",
-        "snippet service draft: SPECD_REDIS_URL is not read by the draft service",
+        "snippet service draft: SPECD_GATEWAY_API_KEYS is not read by the draft service",
         "snippet service coordinator: SPECD_CACHE_DIR is not read by the coordinator service",
         "snippet service prometheus: SPECD_GATEWAY_PORT is not read by the non-specd service",
     ]
     k8s_bad = list(yaml.safe_load_all("""
 kind: ConfigMap
 metadata: {name: shared}
-data: {SPECD_REDIS_URL: "redis://redis:6379/0", SPECD_NOPE: "1"}
+data: {SPECD_GATEWAY_API_KEYS: "k1", SPECD_NOPE: "1"}
 ---
 kind: Deployment
 metadata: {name: draft}
@@ -308,7 +309,7 @@ spec:
 """))
     problems = k8s_env_problems([(Path("x.yaml"), d) for d in k8s_bad])
     assert "ConfigMap shared: SPECD_NOPE is read by no settings class" in problems
-    assert "Deployment draft container draft: SPECD_REDIS_URL is not read by the draft service" in problems
+    assert "Deployment draft container draft: SPECD_GATEWAY_API_KEYS is not read by the draft service" in problems
     assert not any("SPECD_DRAFT_DRAFTER" in p for p in problems)
 
 

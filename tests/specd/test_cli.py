@@ -121,3 +121,24 @@ def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
     assert code == 2 and "temperatures" in err
     code, _, err = specd_cli(["train-drafter", *common, "--epochs", "0"])
     assert code == 2 and "epochs" in err
+
+
+def test_bench_dvi_smoke(tiny_dirs, specd_cli, tmp_path):
+    """Online learning over a 3-prompt stream: the outputs, their keys, and lossless output."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ["hello", "a b c a b c", "what now"]))
+    out = tmp_path / "dvi"
+    code, stdout, err = specd_cli(["bench-dvi", "--target-model", str(tiny_dirs[0]), "--device", "cpu",
+                                   "--draft-layers", "1", "--dataset", str(data), "--max-new-tokens", "12",
+                                   "--updates-per-record", "1", "--batch-size", "4", "--kl-steps", "2",
+                                   "--out", str(out)])
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["rows"]) == 3 and doc["rows"][0]["updates"] == 0
+    assert doc["updates"] == doc["records"] > 0  # one update per logged record
+    assert {"acceptance_rate", "agreement", "agreement_frozen", "identical"} <= doc["rows"][0].keys()
+    assert all(r["identical"] for r in doc["rows"]) and doc["summary"]["identical"]
+    assert (out / "report.md").is_file() and (out / "dvi-agreement.png").stat().st_size > 0
+    code, _, err = specd_cli(["bench-dvi", "--target-model", str(tiny_dirs[0]), "--dataset", str(data),
+                              "--drafter", "ngram", "--out", str(out)])
+    assert code == 2 and "drafter" in err

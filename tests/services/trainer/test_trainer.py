@@ -51,3 +51,19 @@ def test_trainer_updates_from_a_tiny_stream_and_publishes(redis_url, tmp_path):
             await producer.close()
 
     asyncio.run(run())
+
+
+def test_trainer_settings_build_a_loop_for_the_drafter_the_draft_service_names(tiny_dirs, redis_url):
+    from services.common.settings import TrainerSettings
+    from services.trainer.main import build_loop
+    from specd.drafters.early_exit import EarlyExitDrafter
+    from specd.models import load_model
+
+    s = TrainerSettings(target_model=str(tiny_dirs[0]), device="cpu", draft_layers=1, redis_url=redis_url)
+    loop = build_loop(s)
+    drafter = EarlyExitDrafter(load_model(str(tiny_dirs[0]), "cpu"), layers=1)
+    try:  # the same keys as the draft service's RedisDVI(url, drafter.name)
+        assert loop.dvi.stream_key == RedisDVI(redis_url, drafter.name).stream_key
+        assert loop.trainer.W.shape == drafter.head_weight.shape
+    finally:
+        asyncio.run(loop.dvi.close())
