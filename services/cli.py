@@ -56,6 +56,9 @@ def add_commands(sub) -> None:
     up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
     up.add_argument("--no-overlap", action="store_true", help="turn PEARL overlap off")
     up.add_argument("--redis-url", help="Redis for shared policy state (default: in-process memory)")
+    up.add_argument("--dvi", action="store_true", help="online learning (DVI): the early-exit draft logs its "
+                                                      "verified drafts to Redis and a trainer process improves "
+                                                      "it while serving (needs --redis-url)")
     up.add_argument("--no-sample", action="store_true", help="do not send the sample request")
     up.add_argument("--exit-after-sample", action="store_true", help="stop once the sample is answered")
     up.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
@@ -118,9 +121,17 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     if args.drafter != "ngram":  # two models on one CPU: split the cores instead of fighting over them
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []
+    trainer = []
+    if args.dvi:
+        if args.drafter != "early-exit" or not args.redis_url:
+            raise SpecdError("--dvi needs --drafter early-exit and --redis-url (the replay stream lives in Redis)")
+        draft_flags += ["--dvi", "true", *redis]
+        trainer = [("trainer", ["--target-model", args.target_model, "--threads", str(max(1, cpus // 4)), *redis],
+                    _free_port())]
     return [
         ("target", ["--model", args.target_model, "--metrics-port", str(_free_port())], target),
         ("draft", [*draft_flags, "--metrics-port", str(_free_port())], draft),
+        *trainer,
         ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
                          "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
                          "--metrics-port", str(_free_port())], coord),
@@ -178,11 +189,12 @@ def _wait_healthy(name: str, port: int, procs, log_dir: Path, timeout_s: float) 
 
 
 def _healthy(name: str, port: int) -> bool:
-    if name == "gateway":
+    if name in ("gateway", "trainer"):  # HTTP: the gateway's health route, the trainer's /metrics
         import httpx
 
+        path = "/health" if name == "gateway" else "/metrics"
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
     from services.common.server import check_health
@@ -195,6 +207,7 @@ def _announce(url: str, plan: list[tuple[str, list[str], int]]) -> None:
                        "max_tokens": 48, "speculative": {"policy": "heuristic"}})
     metrics = [f"{url}/metrics"] + [f"http://127.0.0.1:{flags[flags.index('--metrics-port') + 1]}/metrics"
                                      for _, flags, _ in plan if "--metrics-port" in flags]
+    metrics += [f"http://127.0.0.1:{port}/metrics" for name, _, port in plan if name == "trainer"]
     print(f"\nspecd gateway: {url}/v1  (OpenAI-compatible; docs at {url}/docs)\n"
           f"Prometheus metrics: {' '.join(metrics)}\n\nTry:\n"
           f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",

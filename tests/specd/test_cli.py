@@ -128,7 +128,7 @@ def test_bench_dvi_smoke(tiny_dirs, specd_cli, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ["hello", "a b c a b c", "what now"]))
     out = tmp_path / "dvi"
-    code, stdout, err = specd_cli(["bench-dvi", "--target-model", str(tiny_dirs[0]), "--device", "cpu",
+    code, _, err = specd_cli(["bench-dvi", "--target-model", str(tiny_dirs[0]), "--device", "cpu",
                                    "--draft-layers", "1", "--dataset", str(data), "--max-new-tokens", "12",
                                    "--updates-per-record", "1", "--batch-size", "4", "--kl-steps", "2",
                                    "--out", str(out)])
