@@ -232,6 +232,10 @@ def _sample(url: str) -> None:
 
 
 def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    # A second Ctrl-C (or a SIGINT and a SIGTERM from a supervisor) must not cut the shutdown
+    # short: the services run in sessions of their own and would be left running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for p in reversed(list(procs.values())):
         if p.poll() is None:
             p.send_signal(signal.SIGINT)

@@ -27,3 +27,43 @@ def test_dvi_adds_a_trainer_and_the_draft_logs_to_the_same_redis():
 def test_dvi_needs_early_exit_and_redis(argv):
     with pytest.raises(SpecdError, match="--dvi needs"):
         _plan(_args(*argv))
+
+
+SHUTDOWN = r"""
+import os, signal, subprocess, sys, threading, time
+from services.cli import _interrupt, _stop
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGINT, lambda *a: (time.sleep(1.0), sys.exit(0)))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+signal.signal(signal.SIGINT, _interrupt)  # as cmd_up installs it
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a second Ctrl-C mid-shutdown
+_stop({"svc": child})
+print("stopped", child.returncode, flush=True)
+"""
+
+
+def test_a_second_interrupt_does_not_cut_the_shutdown_short(tmp_path):
+    """Before the fix the second SIGINT raised KeyboardInterrupt inside _stop and left the
+    service (in a session of its own) running."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SHUTDOWN], capture_output=True, text=True, timeout=60,
+                          cwd=os.getcwd(), check=False)
+    lines = proc.stdout.split()
+    pid = int(lines[0])
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert lines[1:] == ["stopped", "0"]
+    finally:
+        try:
+            os.kill(pid, 9)
+            leaked = True
+        except ProcessLookupError:
+            leaked = False
+    assert not leaked
