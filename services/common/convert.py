@@ -77,3 +77,19 @@ def top_logprobs_from_proto(msgs) -> list[tuple[torch.Tensor, torch.Tensor]]:
             raise ValueError(f"{len(m.ids)} ids but {len(m.logprobs)} log-probs")
         out.append((torch.tensor(list(m.ids), dtype=torch.long), torch.tensor(list(m.logprobs), dtype=torch.float32)))
     return out
+
+
+def features_to_proto(start: int, hidden: torch.Tensor) -> common_pb2.Features:
+    """Hidden states [rows, H] of positions start.. as float32 bytes."""
+    h = hidden.detach().to("cpu", torch.float32).contiguous()
+    return common_pb2.Features(start=start, rows=h.shape[0], hidden_size=h.shape[1], data=h.numpy().tobytes())
+
+
+def features_from_proto(msg: common_pb2.Features) -> tuple[int, torch.Tensor] | None:
+    """(start, hidden [rows, H]) or None for an empty message; a size mismatch raises ValueError."""
+    if msg.rows == 0:
+        return None
+    if msg.start < 0 or msg.hidden_size <= 0 or len(msg.data) != 4 * msg.rows * msg.hidden_size:
+        raise ValueError(f"{len(msg.data)} bytes for {msg.rows} rows of {msg.hidden_size} float32 from {msg.start}")
+    h = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).view(msg.rows, msg.hidden_size)
+    return msg.start, h

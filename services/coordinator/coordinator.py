@@ -201,7 +201,7 @@ class Coordinator:
         send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
         return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name,
                                    verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s,
-                                   top_logprobs=draft.top_logprobs)
+                                   top_logprobs=draft.top_logprobs, features=draft.needs_features)
 
     def _current_curve(self) -> tuple[float, ...]:
         """The target's start-up cost curve, scaled by how its decode cost has drifted since."""

@@ -94,6 +94,7 @@ class LoopConfig:
     verify_seconds: tuple[float, ...] = ()  # the target's cost curve, for cost-aware policies
     round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
     top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
+    features: bool = False  # a feature drafter gets the target's hidden states of committed positions
 
 
 class RequestLoop:
@@ -177,7 +178,7 @@ class RequestLoop:
         cfg = self.cfg
         self.target_call = self.target_stub.Session(timeout=cfg.timeout_s)
         await self._write_target(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
-            prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling))))
+            prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), features=cfg.features)))
         self.tasks.append(asyncio.create_task(self._pump("target", self.target_call)))
         if self.draft_stub is None:
             return
@@ -321,7 +322,7 @@ class RequestLoop:
             self.unacked += 1
             await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
                 commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
-                js_distances=v.js_distances, top_logprobs=v.top_logprobs)))
+                js_distances=v.js_distances, top_logprobs=v.top_logprobs, features=v.features)))
         return emitted
 
     def _record(self, k: int, n: int, v: target_pb2.Verified) -> None:

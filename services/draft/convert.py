@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from services.common.convert import distribution_to_proto, sampling_from_proto, top_logprobs_from_proto
+from services.common.convert import (
+    distribution_to_proto,
+    features_from_proto,
+    sampling_from_proto,
+    top_logprobs_from_proto,
+)
 from services.draft.runner import Ack, Commit, Token, WindowEnd
 from services.proto.specd.draft.v1 import draft_pb2
 from specd.errors import InvalidRequest
@@ -29,8 +34,12 @@ def commit_from_proto(msg: draft_pb2.Commit) -> Commit:
         raise InvalidRequest("top_logprobs", str(e)) from None
     if len(top) > msg.num_verified:
         raise InvalidRequest("top_logprobs", f"{len(top)} positions for {msg.num_verified} verified drafts")
+    try:
+        features = features_from_proto(msg.features)
+    except ValueError as e:
+        raise InvalidRequest("features", str(e)) from None
     return Commit(msg.commit_id, tuple(msg.tokens), msg.num_verified, msg.num_strict,
-                  tuple(msg.js_distances), top)
+                  tuple(msg.js_distances), top, features)
 
 
 def event_to_proto(event) -> draft_pb2.DraftResponse:

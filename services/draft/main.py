@@ -25,7 +25,7 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
     if s.threads:
         torch.set_num_threads(s.threads)
     model = draft_model = None
-    if s.drafter == "early-exit":
+    if s.drafter in ("early-exit", "feature"):
         model = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
     elif s.drafter == "hf":
         model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir)

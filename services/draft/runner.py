@@ -66,6 +66,8 @@ class Commit:
     js_distances: tuple[float, ...] = ()
     # DVI: the target's (ids, log-probs) at the judged draft positions, in order
     top_logprobs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # feature drafters: (start, the target's hidden states [n, H]) of the newly committed positions
+    features: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ class DraftRunner:
         self.strict: dict[int, bool] = {}  # position -> accepted by the lossless rule
         self.js: dict[int, float] = {}
         self.rollback_to: int | None = None  # KV rollback to apply before the next forward
+        self.features: list[tuple[int, torch.Tensor]] = []  # target features to hand over, after it
         self.emitted: dict[int, int] = {}  # position -> committed token, while a dropped token awaits it
         self.wake = asyncio.Event()
         self.num_drafted = 0
@@ -125,6 +128,9 @@ class DraftRunner:
             if self.rollback_to is not None:
                 self.session.rollback(self.rollback_to)
                 self.rollback_to = None
+            for start, hidden in self.features:
+                self.session.observe_target(start, hidden)
+            self.features.clear()
             epoch, seq = self.epoch, list(self.seq)
             t0 = time.perf_counter()
             d = await loop.run_in_executor(self.executor, self._next, seq)
@@ -192,6 +198,8 @@ class DraftRunner:
             self.strict[s + i] = i < c.num_strict
         for i, d in enumerate(c.js_distances):
             self.js[s + i] = d
+        if c.features is not None:
+            self.features.append(c.features)
         if self.log_records is not None:
             for i, top in enumerate(c.top_logprobs):
                 self.top[s + i] = top

@@ -71,7 +71,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftInfo(model=info, kind=self.drafter.kind, name=self.drafter.name,
                                    has_distribution=self.drafter.has_distribution, policies=policies,
                                    top_logprobs=TOP_K if learning else 0,
-                                   adapter_version=self.drafter.lora_version if learning else 0)
+                                   adapter_version=self.drafter.lora_version if learning else 0,
+                                   needs_features=self.drafter.needs_target_features)
 
     async def Session(self, requests, context: grpc.aio.ServicerContext):
         first = await anext(aiter(requests), None)

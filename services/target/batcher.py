@@ -2,7 +2,7 @@
 
 Sessions submit jobs (new ids after their cache, how many logits they need); one worker
 takes every job queued while the previous forward ran and runs them as one batch
-(specd.models.batch.batched_extend), so batching costs no added latency: a lone request
+(specd.models.batch.batched_extend_hidden), so batching costs no added latency: a lone request
 is run at once, and requests arriving during a forward share the next one.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.models.batch import batched_extend
+from specd.models.batch import batched_extend_hidden
 from specd.models.session import KVSession
 
 
@@ -25,8 +25,9 @@ class Job:
     session: KVSession
     ids: list[int]
     num_logits: int
-    then: Callable[[torch.Tensor], object]  # runs on the compute thread with this job's logits
+    then: Callable[[torch.Tensor, torch.Tensor | None], object]  # on the compute thread: (logits, hidden)
     future: asyncio.Future = field(default=None)
+    want_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,13 @@ class VerifyBatcher:
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession, ids: list[int], num_logits: int,
-                     then: Callable[[torch.Tensor], object]) -> tuple[object, BatchInfo]:
-        """Extend session by ids in the next forward; returns then(logits) and the batch's info."""
+                     then: Callable[[torch.Tensor, torch.Tensor | None], object],
+                     want_hidden: bool = False) -> tuple[object, BatchInfo]:
+        """Extend session by ids in the next forward; returns then(logits, hidden) and the
+        batch's info (hidden: the last hidden states of the same positions, if wanted)."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
-        job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future())
+        job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden)
         self.queue.put_nowait(job)
         return await job.future
 
@@ -90,12 +93,12 @@ class VerifyBatcher:
 
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
-        logits = batched_extend(self.model, [j.session for j in jobs], [j.ids for j in jobs],
-                                [j.num_logits for j in jobs])
+        out = batched_extend_hidden(self.model, [j.session for j in jobs], [j.ids for j in jobs],
+                                    [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
         info = BatchInfo(time.perf_counter() - t0, len(jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
-        return [(j.then(lg), info) for j, lg in zip(jobs, logits)]
+        return [(j.then(lg, h), info) for j, (lg, h) in zip(jobs, out)]
 
     def close(self) -> None:
         if self._worker is not None:

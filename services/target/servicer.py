@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from services.common.convert import (
     distribution_from_proto,
     model_info,
+    features_to_proto,
     sampling_from_proto,
     top_logprobs_to_proto,
 )
@@ -79,7 +80,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         first = await anext(stream, None)
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
-        session = TargetSession(self.target, list(first.open.prompt_ids), sampling_from_proto(first.open.sampling))
+        session = TargetSession(self.target, list(first.open.prompt_ids), sampling_from_proto(first.open.sampling),
+                                first.open.features)
         self.sessions.add(session)
         try:
             t0 = time.perf_counter()
@@ -110,18 +112,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
         ids = session.window(drafts)
+        start = session.kv.length  # the position of ids[0]
 
-        def judge(logits: torch.Tensor):
+        def judge(logits: torch.Tensor, hidden: torch.Tensor | None):
             verdict = session.verify(logits, drafts, q, threshold, msg.relaxed)
-            top = None
+            top = feats = None
             if msg.top_logprobs and drafts:  # the judged positions: up to the first rejection
                 top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], msg.top_logprobs)
-            return verdict, top
+            if hidden is not None:
+                feats = features_to_proto(*session.committed_features(start, hidden, verdict))
+            return verdict, top, feats
 
-        (verdict, top), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge)
+        (verdict, top, feats), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge,
+                                                                 session.features)
         self.metrics.observe_verify(len(drafts), batch.forward_seconds)
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
-            top_logprobs=top_logprobs_to_proto(top),
+            top_logprobs=top_logprobs_to_proto(top), features=feats,
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size,

@@ -15,12 +15,14 @@ from specd.verify import Verdict, verify_window
 
 
 class TargetSession:
-    def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams):
+    def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False):
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.vocab_size, target.max_context)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.kv = target.session()
+        self.features = features  # return the hidden states of committed positions (feature drafters)
+        self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
         self.generator = None
         if not sampling.greedy:
             # A stream of its own: the draft service seeds its generator with the same seed.
@@ -31,7 +33,9 @@ class TargetSession:
     def prefill(self) -> None:
         """Cache all but the last prompt token while the draft drafts its first window."""
         if len(self.seq) > 1:
-            self.kv.extend(self.seq[:-1], 1)
+            n = len(self.seq) - 1 if self.features else 1
+            _, hidden = self.kv.extend(self.seq[:-1], n, self.features)
+            self.prompt_features = hidden
 
     def window(self, drafts: list[int]) -> list[int]:
         """The ids to feed for verifying drafts: uncached committed tokens, then the drafts."""
@@ -50,6 +54,15 @@ class TargetSession:
         self.kv.rollback(committed + n)
         self.seq += drafts[:n] + [verdict.next_token]
         return verdict
+
+    def committed_features(self, start: int, hidden: torch.Tensor, verdict: Verdict) -> tuple[int, torch.Tensor]:
+        """The hidden states of the positions a verification fed from `start` that are now
+        committed and cached (up to the last accepted draft), after the prompt's on the first."""
+        rows = hidden[:verdict.num_accepted + 1]
+        if self.prompt_features is not None:
+            rows, start = torch.cat([self.prompt_features, rows]), 0
+            self.prompt_features = None
+        return start, rows
 
     def close(self) -> None:
         self.kv.close()

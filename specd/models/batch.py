@@ -47,16 +47,25 @@ def batched_extend(model: torch.nn.Module, sessions: Sequence[KVSession], ids: S
                    num_logits: Sequence[int]) -> list[torch.Tensor]:
     """As if each sessions[i].extend(ids[i], num_logits[i]) ran alone: float32 logits
     [num_logits[i], V] per session, and each session's cache and length grown the same way."""
-    assert len(sessions) == len(ids) == len(num_logits), (len(sessions), len(ids), len(num_logits))
+    return [logits for logits, _ in batched_extend_hidden(model, sessions, ids, num_logits)]
+
+
+def batched_extend_hidden(model: torch.nn.Module, sessions: Sequence[KVSession], ids: Sequence[Sequence[int]],
+                          num_logits: Sequence[int], want_hidden: Sequence[bool] | None = None
+                          ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """batched_extend that also returns, for the sessions that want them, the last hidden
+    states [num_logits[i], H] of the same positions (what a feature drafter reads)."""
+    want = list(want_hidden) if want_hidden is not None else [False] * len(sessions)
+    assert len(sessions) == len(ids) == len(num_logits) == len(want), (len(sessions), len(ids), len(num_logits))
     assert len({id(s) for s in sessions}) == len(sessions), "a session appears twice in one batch"
     for row, k in zip(ids, num_logits):
         assert 1 <= k <= len(row), (k, len(row))
     if len(sessions) == 1:
-        return [sessions[0].extend(ids[0], num_logits[0])[0]]
+        return [sessions[0].extend(ids[0], num_logits[0], want[0])]
     batch = build_batch(sessions, ids, num_logits)
-    logits, grown = forward_batch(model, batch)
+    logits, hidden, grown = forward_batch(model, batch, any(want))
     _split_back(sessions, grown, batch.past_len, [len(row) for row in ids])
-    return [logits[i, start:start + k].float()
+    return [(logits[i, start:start + k].float(), hidden[i, start:start + k] if want[i] else None)
             for i, (start, k) in enumerate(zip(batch.logit_starts, num_logits))]
 
 
@@ -82,12 +91,15 @@ def build_batch(sessions: Sequence[KVSession], ids: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
-def forward_batch(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.Tensor, DynamicCache]:
-    """Logits [B, logits_to_keep, V] in the model's dtype, and the grown batch cache."""
+def forward_batch(model: torch.nn.Module, batch: PaddedBatch, want_hidden: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, DynamicCache]:
+    """Logits [B, logits_to_keep, V] in the model's dtype, the last hidden states of the same
+    columns when wanted, and the grown batch cache."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, past_key_values=batch.cache, use_cache=True,
-                logits_to_keep=batch.logits_to_keep)
-    return out.logits, out.past_key_values
+                logits_to_keep=batch.logits_to_keep, output_hidden_states=want_hidden)
+    hidden = out.hidden_states[-1][:, -batch.logits_to_keep:] if want_hidden else None
+    return out.logits, hidden, out.past_key_values
 
 
 def _right_padded_ids(ids: Sequence[Sequence[int]], max_new: int, device: torch.device) -> torch.Tensor:

@@ -142,7 +142,7 @@ def test_without_the_attention_mask_shorter_rows_go_wrong(tiny_target):
         b = build_batch(_prefilled(tiny_target, PREFIXES), NEW, NUM_LOGITS)
         if not mask_padding:
             b.attention_mask = torch.ones_like(b.attention_mask)
-        logits, _ = forward_batch(tiny_target.model, b)
+        logits, _, _ = forward_batch(tiny_target.model, b)
         return [logits[i, st:st + k].float() for i, (st, k) in enumerate(zip(b.logit_starts, NUM_LOGITS))]
 
     masked, unmasked = run(True), run(False)

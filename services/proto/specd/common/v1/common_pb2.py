@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/common/v1/common.proto\x12\x0fspecd.common.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"f\n\x0c\x44istribution\x12\x13\n\tdense_f32\x18\x01 \x01(\x0cH\x00\x12\x35\n\x06sparse\x18\x02 \x01(\x0b\x32#.specd.common.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"5\n\x12SparseDistribution\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x88\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\r\n\x0bInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/common/v1/common.proto\x12\x0fspecd.common.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"f\n\x0c\x44istribution\x12\x13\n\tdense_f32\x18\x01 \x01(\x0cH\x00\x12\x35\n\x06sparse\x18\x02 \x01(\x0b\x32#.specd.common.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"J\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"5\n\x12SparseDistribution\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x88\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\r\n\x0bInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISTRIBUTION']._serialized_end=242
   _globals['_TOPLOGPROBS']._serialized_start=244
   _globals['_TOPLOGPROBS']._serialized_end=288
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=290
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=343
-  _globals['_MODELINFO']._serialized_start=346
-  _globals['_MODELINFO']._serialized_end=482
-  _globals['_INFOREQUEST']._serialized_start=484
-  _globals['_INFOREQUEST']._serialized_end=497
+  _globals['_FEATURES']._serialized_start=290
+  _globals['_FEATURES']._serialized_end=364
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=366
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=419
+  _globals['_MODELINFO']._serialized_start=422
+  _globals['_MODELINFO']._serialized_end=558
+  _globals['_INFOREQUEST']._serialized_start=560
+  _globals['_INFOREQUEST']._serialized_end=573
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,18 @@ class TopLogprobs(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "hidden_size", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    hidden_size: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class SparseDistribution(_message.Message):
     __slots__ = ("indices", "values")
     INDICES_FIELD_NUMBER: _ClassVar[int]

@@ -22,7 +22,7 @@ STOP_REASON_NO_PROPOSAL: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version")
+    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version", "needs_features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DraftInfo(_message.Message):
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: str
     name: str
@@ -37,7 +38,8 @@ class DraftInfo(_message.Message):
     policies: _containers.RepeatedScalarFieldContainer[str]
     top_logprobs: int
     adapter_version: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ...) -> None: ...
+    needs_features: bool
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ..., needs_features: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "commit", "close")
@@ -92,20 +94,22 @@ class OpenDraft(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs")
+    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features")
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_STRICT_FIELD_NUMBER: _ClassVar[int]
     JS_DISTANCES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     commit_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     num_verified: int
     num_strict: int
     js_distances: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class CloseDraft(_message.Message):
     __slots__ = ()

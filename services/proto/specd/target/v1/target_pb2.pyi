@@ -41,12 +41,14 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenTarget, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[CloseTarget, _Mapping]] = ...) -> None: ...
 
 class OpenTarget(_message.Message):
-    __slots__ = ("prompt_ids", "sampling")
+    __slots__ = ("prompt_ids", "sampling", "features")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
+    features: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs")
@@ -79,7 +81,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class Verified(_message.Message):
     DECODE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -100,7 +103,8 @@ class Verified(_message.Message):
     decode_seconds_per_token: float
     prefill_seconds: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
     __slots__ = ()
