@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specd.models import batch as batch_mod
-from specd.models.batch import batched_extend, build_batch, forward_batch
+from specd.models.batch import batched_extend, batched_extend_hidden, build_batch, forward_batch
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -40,6 +40,21 @@ def test_batched_logits_equal_individual_extends(tiny_target):
         assert g.shape == (k, tiny_target.vocab_size) and g.dtype == torch.float32
         torch.testing.assert_close(g, want, **TOL)
         assert s.length == r.length and s.cache.get_seq_length() == r.length
+
+
+def test_batched_hidden_states_equal_individual_extends_where_wanted(tiny_target):
+    """What the target service returns to a feature drafter, per session of a batch."""
+    batched = _prefilled(tiny_target, PREFIXES)
+    got = batched_extend_hidden(tiny_target.model, batched, NEW, NUM_LOGITS, [True, False, True])
+    ref = _prefilled(tiny_target, PREFIXES)
+    for (g_logits, g_hidden), r, ids, k, want_hidden in zip(got, ref, NEW, NUM_LOGITS, [True, False, True]):
+        logits, hidden = r.extend(ids, k, True)
+        torch.testing.assert_close(g_logits, logits, **TOL)
+        if want_hidden:
+            assert g_hidden.shape == (k, tiny_target.model.config.hidden_size)
+            torch.testing.assert_close(g_hidden, hidden, **TOL)
+        else:
+            assert g_hidden is None
 
 
 def test_sessions_keep_working_after_a_batched_extend(tiny_target):
