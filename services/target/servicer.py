@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from services.common.convert import (
     distribution_from_proto,
-    model_info,
     features_to_proto,
+    model_info,
     sampling_from_proto,
     top_logprobs_to_proto,
 )
