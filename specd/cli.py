@@ -34,7 +34,7 @@ def _policy_param(text: str) -> tuple[str, float]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | feature (in process only) "
+    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | feature "
                                                       "(generate's default: ngram; train-head's: early-exit)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
