@@ -22,6 +22,11 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
     from specd.models import load_model
     from specd.policies import AcceptanceHead, bundled_head_path
 
+    if s.dvi:  # checked before loading anything
+        if s.drafter != "early-exit":  # `specd serve trainer` trains the early-exit drafter's head
+            raise InvalidRequest("dvi", f"online learning needs --drafter early-exit, not {s.drafter}")
+        if not s.redis_url:
+            raise InvalidRequest("redis_url", "online learning (dvi) keeps its replay stream in Redis; set redis_url")
     if s.threads:
         torch.set_num_threads(s.threads)
     model = draft_model = None
@@ -34,8 +39,6 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
     head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None
     dvi = None
     if s.dvi:
-        if not s.redis_url:
-            raise InvalidRequest("redis_url", "online learning (dvi) keeps its replay stream in Redis; set redis_url")
         from services.common.replay import RedisDVI
 
         dvi = RedisDVI(s.redis_url, drafter.name)

@@ -129,8 +129,10 @@ def test_draft_service_logs_judged_drafts_and_hot_swaps_mid_session(chat_pair, t
 
 
 def test_dvi_needs_redis_and_a_learning_drafter(chat_pair, redis_url):
+    with pytest.raises(InvalidRequest, match="early-exit"):
+        build_servicer(DraftSettings(drafter="ngram", dvi=True, redis_url=redis_url))
     with pytest.raises(InvalidRequest, match="redis_url"):
-        build_servicer(DraftSettings(drafter="ngram", dvi=True, redis_url=None))
+        build_servicer(DraftSettings(drafter="early-exit", target_model="/nonexistent", dvi=True, redis_url=None))
     with pytest.raises(InvalidRequest, match="early-exit or feature"):
         from specd.drafters import build_drafter
 
