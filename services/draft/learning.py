@@ -32,8 +32,7 @@ class OnlineLearning:
         self.queue: asyncio.Queue[Record] = asyncio.Queue(queue_max)
         self.tasks: list[asyncio.Task] = []
         self.refused_version = -1  # a published adapter that does not fit: not retried
-        self.logged = metrics.dvi_records.labels(drafter.name, "logged")
-        self.dropped = metrics.dvi_records.labels(drafter.name, "dropped")
+        self.logged, self.dropped = metrics.dvi_logged, metrics.dvi_dropped
 
     def log(self, records: list[Record]) -> None:
         for r in records:

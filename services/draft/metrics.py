@@ -40,8 +40,10 @@ class DraftMetrics:
                               registry=registry)
         self.windows = Counter("specd_draft_windows", "draft windows ended, by reason",
                                ["drafter", "policy", "reason"], registry=registry)
-        self.dvi_records = Counter("specd_dvi_records", "judged draft positions for online learning, by outcome",
-                                   ["drafter", "outcome"], registry=registry)
+        records = Counter("specd_dvi_records", "judged draft positions for online learning, by outcome",
+                          ["drafter", "outcome"], registry=registry)
+        # Exported at 0 from the start (also without --dvi), so the dashboard's panel has series.
+        self.dvi_logged, self.dvi_dropped = records.labels(drafter, "logged"), records.labels(drafter, "dropped")
         self.adapter_version = Gauge("specd_dvi_adapter_version", "online-learned adapter version in use",
                                      ["drafter"], registry=registry).labels(drafter)
         self.adapter_swaps = Counter("specd_dvi_adapter_swaps", "adapters hot-swapped into the drafter",

@@ -126,6 +126,18 @@ def test_draft_service_logs_judged_drafts_and_hot_swaps_mid_session(chat_pair, t
         assert (r.reward == 1.0) == (int(r.top_ids[0]) == r.token)
         assert r.hidden.numel() == drafter.head_weight.shape[1] and r.top_ids.numel() == 16
     assert {r.version for r in records} <= {0, 7} and 7 in {r.version for r in records}
+    import redis
+
+    def logged():
+        return servicer.registry.get_sample_value("specd_dvi_records_total",
+                                                  {"drafter": drafter.name, "outcome": "logged"})
+
+    with redis.Redis.from_url(redis_url) as client:  # counted once each batch has landed
+        deadline = time.monotonic() + 5
+        while logged() != client.xlen(dvi.stream_key) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logged() == client.xlen(dvi.stream_key) >= len(records)
+    assert servicer.registry.get_sample_value("specd_dvi_adapter_version", {"drafter": drafter.name}) == 7
 
 
 def test_dvi_needs_redis_and_a_learning_drafter(chat_pair, redis_url):
