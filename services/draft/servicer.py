@@ -4,6 +4,7 @@ It only translates; the drafting itself is services.draft.runner.DraftRunner."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
-from services.common.replay import RedisDVI
+from services.common.replay import REDIS_ERRORS, RedisDVI
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
 from services.draft.learning import OnlineLearning
 from services.draft.metrics import DraftMetrics
@@ -25,6 +26,7 @@ from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import POLICIES, PolicyResources, build_policy, policy_class
 
+log = logging.getLogger(__name__)
 _CLOSE = object()
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -52,7 +54,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def start_learning(self) -> None:
         """Start logging to the replay stream and following published adapters (on the server's loop)."""
         if self.learning is not None:
-            await self.learning.sync()  # the latest adapter before the first session
+            try:  # the latest adapter before the first session; Redis down only delays it
+                await self.learning.sync()
+            except REDIS_ERRORS as e:
+                log.warning("DVI: no adapter from Redis at start-up (%s); the watcher retries", e)
             await self.learning.start()
 
     def close(self) -> None:

@@ -149,3 +149,39 @@ def test_dvi_needs_redis_and_a_learning_drafter(chat_pair, redis_url):
         from specd.drafters import build_drafter
 
         DraftServicer(build_drafter("ngram", None), None, dvi=RedisDVI(redis_url, "ngram"))
+
+
+def test_a_draft_service_with_redis_down_still_starts_and_serves(service_loop, chat_pair, target_service):
+    """DVI costs records when Redis is away, never the service or a request."""
+    target, _ = chat_pair
+    drafter = EarlyExitDrafter(target, layers=1)
+    servicer = DraftServicer(drafter, target, dvi=RedisDVI("redis://127.0.0.1:1/0", drafter.name), dvi_poll_s=0.05)
+    server, port = service_loop.run(start_draft(DraftSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    try:
+        async def run():
+            coord = Coordinator(CoordinatorConfig(target_service.address, svc.address), AsyncMemoryStateStore())
+            await coord.connect()
+            ids, finish = [], None
+            try:
+                async for ev in coord.generate(GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_new_tokens=24),
+                                                               spec=SpecParams("constant"))):
+                    if isinstance(ev, FinishEvent):
+                        finish = ev
+                    else:
+                        ids += ev.token_ids
+            finally:
+                await coord.close()
+            return ids, finish
+
+        ids, finish = asyncio.run(run())
+        assert ids == _reference(target, 24) and not finish.spec_stats["fallback"]
+        assert finish.spec_stats["drafted"] > 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not servicer.registry.get_sample_value(
+                "specd_dvi_records_total", {"drafter": drafter.name, "outcome": "dropped"}):
+            time.sleep(0.05)
+        assert servicer.registry.get_sample_value("specd_dvi_records_total",
+                                                  {"drafter": drafter.name, "outcome": "dropped"}) > 0
+    finally:
+        svc.stop()
