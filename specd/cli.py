@@ -328,7 +328,8 @@ def cmd_train_drafter(args) -> int:
 
 def cmd_bench_dvi(args) -> int:
     from specd.bench.datasets import bench_prompts, load_questions, messages
-    from specd.bench.dvi import machine, run_dvi_bench, write_dvi_outputs
+    from specd.bench.dvi import run_dvi_bench, write_dvi_outputs
+    from specd.bench.report import machine_info
     from specd.dvi import TrainerConfig
     from specd.types import SamplingParams, SpecParams
 
@@ -345,7 +346,7 @@ def cmd_bench_dvi(args) -> int:
     prompts = [target.encode_prompt(messages(p, None), True) for p in bench_prompts(questions, "1")]
     doc = run_dvi_bench(target, drafter, prompts, sampling, spec, config, args.updates_per_record)
     doc |= {"command": " ".join(["specd", *sys.argv[1:]]), "drafter": drafter.name, "target": target.name,
-            "dataset": str(args.dataset), "config": vars(config), "machine": machine(),
+            "dataset": str(args.dataset), "config": vars(config), "machine": machine_info(target),
             "sampling": {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed},
             "policy": args.policy}
     for path in write_dvi_outputs(doc, args.out):

@@ -44,9 +44,6 @@ class RedisDVI:
                 out.append((entry_id.decode() if isinstance(entry_id, bytes) else entry_id, rec))
         return out
 
-    async def length(self) -> int:
-        return await self.redis.xlen(self.stream_key)
-
     async def publish(self, lora: HeadLoRA) -> None:
         await self.redis.hset(self.adapter_key, mapping={"version": lora.version, "weights": lora.to_bytes()})
 

@@ -44,13 +44,10 @@ class OnlineLearning:
     async def start(self) -> None:
         self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._watch())]
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Cancel the writer and the watcher (records still queued are not logged)."""
         for t in self.tasks:
             t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        await self.dvi.close()
 
     async def _write(self) -> None:
         while True:

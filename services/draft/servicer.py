@@ -62,8 +62,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def close(self) -> None:
         if self.learning is not None:
-            for task in self.learning.tasks:
-                task.cancel()
+            self.learning.stop()
 
     @property
     def active_sessions(self) -> int:

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
-
-import torch
 
 from specd.bench.oracle import teacher_forced_agreement
 from specd.drafters.base import Drafter
@@ -159,11 +155,6 @@ def _rolling(y: list[float], w: int) -> list[float]:
         xs = [v for v in y[max(0, i - w + 1):i + 1] if not math.isnan(v)]
         out.append(sum(xs) / len(xs) if xs else math.nan)
     return out
-
-
-def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-            "python": sys.version.split()[0], "torch": torch.__version__}
 
 
 def _bar(total: int, enabled: bool):

@@ -19,10 +19,10 @@ from specd.bench.peers import sklearn_available
 from specd.costs import cpu_model
 
 
-def machine_info(run) -> dict:
+def machine_info(target) -> dict:
+    """Where a benchmark ran: CPU, cores, threads, the target's device and dtype, versions."""
     import transformers
 
-    target = run.m.target
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
             "python": platform.python_version(), "torch": torch.__version__,
@@ -36,7 +36,7 @@ def results_doc(run, oracle: dict) -> dict:
     _add_oracle_fractions(aggregates, run, oracle)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run.s).items()}
     return {
-        "machine": machine_info(run),
+        "machine": machine_info(run.m.target),
         "command": list(sys.argv),
         "settings": settings,
         "target": run.m.target.name,

@@ -21,10 +21,10 @@ from services.draft.servicer import DraftServicer
 from services.proto.specd.common.v1 import common_pb2
 from specd.drafters.early_exit import EarlyExitDrafter
 from specd.dvi import HeadLoRA, Record, top_logprobs
-from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import Service
+from tests.services.coordinator.test_coordinator import generate, reference
 
 PROMPT = "Hello there, how are"
 
@@ -52,11 +52,6 @@ def test_replay_stream_and_adapters_round_trip_through_redis(redis_url):
             await dvi.close()
 
     asyncio.run(run())
-
-
-def _reference(target, n):
-    ids = target.encode_prompt(PROMPT, chat=False)
-    return SpeculativeEngine(target).generate(ids, SamplingParams(max_new_tokens=n), SpecParams("none")).token_ids
 
 
 @pytest.fixture
@@ -116,7 +111,7 @@ def test_draft_service_logs_judged_drafts_and_hot_swaps_mid_session(chat_pair, t
     finally:
         drafter.set_lora(None)
     assert drafter is servicer.drafter
-    assert ids == _reference(target, 48)  # lossless before, during and after the swap
+    assert ids == reference(target, PROMPT, 48)  # lossless before, during and after the swap
     stats = finish.spec_stats
     assert not stats["fallback"] and stats["drafted"] > 0
     assert info.top_logprobs == 16 and info.adapter_version == 7
@@ -159,23 +154,9 @@ def test_a_draft_service_with_redis_down_still_starts_and_serves(service_loop, c
     server, port = service_loop.run(start_draft(DraftSettings(port=0), servicer))
     svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
     try:
-        async def run():
-            coord = Coordinator(CoordinatorConfig(target_service.address, svc.address), AsyncMemoryStateStore())
-            await coord.connect()
-            ids, finish = [], None
-            try:
-                async for ev in coord.generate(GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_new_tokens=24),
-                                                               spec=SpecParams("constant"))):
-                    if isinstance(ev, FinishEvent):
-                        finish = ev
-                    else:
-                        ids += ev.token_ids
-            finally:
-                await coord.close()
-            return ids, finish
-
-        ids, finish = asyncio.run(run())
-        assert ids == _reference(target, 24) and not finish.spec_stats["fallback"]
+        request = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_new_tokens=24), spec=SpecParams("constant"))
+        ids, finish = generate(target_service.address, svc.address, request)
+        assert ids == reference(target, PROMPT, 24) and not finish.spec_stats["fallback"]
         assert finish.spec_stats["drafted"] > 0
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not servicer.registry.get_sample_value(
