@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specd.models.kernels import kernels_of
 from specd.types import SamplingParams
 
 
@@ -163,7 +164,7 @@ def curve_key(target, drafter) -> str:
     """What a measured curve is valid for: the pair, where and how it runs, and on what."""
     dtype = next(target.model.parameters()).dtype
     ident = [target.name, drafter.name, str(target.device), str(dtype), torch.get_num_threads(), cpu_model(),
-             torch.__version__]
+             torch.__version__, kernels_of(target.model)]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 

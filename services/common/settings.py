@@ -26,6 +26,9 @@ class ModelFields(BaseSettings):
                                                "shard: layers spread over every visible GPU)")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads (0: torch's default)")
+    linear_kernels: str = Field("auto", pattern="^(auto|onednn|torch)$",
+                                description="auto | onednn | torch (auto: oneDNN with weights packed at "
+                                            "load time for a float32 model on the CPU)")
     cache_dir: Path | None = Field(None, validation_alias=AliasChoices("cache_dir", "SPECD_CACHE_DIR"),
                                    description="where the embedded model's dequantized weights are kept")
 

@@ -31,9 +31,9 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
         torch.set_num_threads(s.threads)
     model = draft_model = None
     if s.drafter in ("early-exit", "feature"):
-        model = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
+        model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels)
     elif s.drafter == "hf":
-        model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir)
+        model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels)
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter)
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)
     head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None

@@ -41,6 +41,7 @@ class BenchSettings:
     dtype: str = "auto"
     cache_dir: Path | None = None
     draft_adapter: Path | None = None  # trained early-exit adapter
+    linear_kernels: str = "auto"  # specd/models/kernels.py
 
     @property
     def greedy(self) -> bool:

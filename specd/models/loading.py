@@ -12,6 +12,7 @@ import torch
 
 from specd.errors import InvalidRequest, ModelError
 from specd.models.embedded import EMBEDDED_NAME, embedded_dir
+from specd.models.kernels import KERNELS, use_kernels
 from specd.models.session import KVSession, hf_forward
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
@@ -90,14 +91,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None) -> LoadedModel:
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
+               linear_kernels: str = "auto") -> LoadedModel:
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
-    device_map="auto" (pipeline placement in one process: a model too big for one GPU)."""
+    device_map="auto" (pipeline placement in one process: a model too big for one GPU).
+    linear_kernels: auto | onednn | torch (specd/models/kernels.py; auto packs the weights for
+    oneDNN on a float32 CPU model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if linear_kernels not in KERNELS:  # before the load: a typo costs no time
+        raise InvalidRequest("linear_kernels", f"unknown kernels {linear_kernels!r} ({', '.join(KERNELS)})")
     if spec in EMBEDDED_ALIASES:
         path, name = embedded_dir(cache_dir), EMBEDDED_NAME
     else:
@@ -116,6 +122,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
+    use_kernels(model, linear_kernels)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

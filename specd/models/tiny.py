@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specd.models.kernels import use_kernels
 from specd.models.loading import LoadedModel
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
@@ -53,7 +54,8 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
 
 
 def loaded(model: torch.nn.Module, name: str, tokenizer=None) -> LoadedModel:
-    """Wrap an in-memory model the way load_model would."""
+    """Wrap an in-memory model the way load_model would (its linear kernels included)."""
+    use_kernels(model)
     eos = model.generation_config.eos_token_id
     return LoadedModel(name, model, tokenizer, torch.device("cpu"),
                        model.config.max_position_embeddings, frozenset([eos] if eos is not None else []))

@@ -1,0 +1,105 @@
+"""oneDNN linear kernels with weights packed at load time (specd/models/kernels.py)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from specd.errors import InvalidRequest
+from specd.models import load_model
+from specd.models.kernels import PackedLinear, kernels_of, onednn_available, use_kernels
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
+
+
+def _layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 96, bias=False))
+
+
+@needs_onednn
+def test_packed_layers_compute_what_the_default_kernels_compute():
+    model = _layers()
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        want = model(x)
+        assert use_kernels(model) == "onednn" and kernels_of(model) == "onednn"
+        assert all(isinstance(m, PackedLinear) for m in model)
+        got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.state_dict().keys() == {"0.weight", "0.bias", "1.weight"}  # nothing extra saved
+
+
+@needs_onednn
+def test_a_weight_changed_in_place_is_packed_again():
+    model = _layers()
+    use_kernels(model)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        before = model(x)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    with torch.inference_mode():
+        after = model(x)
+    model2 = copy.deepcopy(model)
+    use_kernels(model2, "torch")
+    with torch.inference_mode():
+        torch.testing.assert_close(after, model2(x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+@needs_onednn
+def test_training_runs_the_default_kernel_with_its_backward():
+    model = _layers()
+    use_kernels(model)
+    x = torch.randn(4, 64, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and model[0].weight.grad is not None
+
+
+@needs_onednn
+def test_copies_and_pickles_rebuild_the_pack():
+    model = _layers()
+    use_kernels(model)
+    x = torch.randn(2, 64)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.inference_mode():
+        want = model(x)
+        for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+            assert isinstance(other[0], PackedLinear)
+            assert torch.equal(other(x), want)
+
+
+def test_torch_kernels_undo_the_pack_and_unknown_kernels_are_named():
+    model = _layers()
+    use_kernels(model)
+    assert use_kernels(model, "torch") == "torch" and kernels_of(model) == "torch"
+    assert all(type(m) is torch.nn.Linear for m in model)
+    with pytest.raises(InvalidRequest, match="linear_kernels"):
+        use_kernels(model, "fast")
+    with pytest.raises(InvalidRequest, match="linear_kernels"):
+        load_model("embedded", device="cpu", linear_kernels="fast")
+
+
+def test_half_precision_models_keep_the_default_kernels():
+    model = _layers().to(torch.bfloat16)
+    assert use_kernels(model) == "torch"
+    with pytest.raises(InvalidRequest, match="linear_kernels"):
+        use_kernels(model, "onednn")
+
+
+@needs_onednn
+def test_load_model_packs_by_default(tiny_dirs):
+    assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu").model) == "onednn"
+    assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu", linear_kernels="torch").model) == "torch"
+
+
+@needs_onednn
+def test_the_suites_tiny_models_run_the_packed_kernels(tiny_target, tiny_draft):
+    """Every lossless engine test on the tiny pair then checks the kernels production runs."""
+    assert kernels_of(tiny_target.model) == "onednn" and kernels_of(tiny_draft.model) == "onednn"
