@@ -51,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                    "output may drift from the target alone by rounding)")
     p.add_argument("--linear-kernels", default="auto", choices=["auto", "onednn", "torch"],
                    help="auto: oneDNN with weights packed at load time for a float32 model on the CPU "
-                        "(1.5x faster there, docs/engine.md); torch: PyTorch's default kernels")
+                        "(1.3x faster there end to end, docs/engine.md); torch: PyTorch's default kernels")
     p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
 
