@@ -72,11 +72,15 @@ def pack_linear(layer: torch.nn.Linear) -> None:
     layer._repack()
 
 
+def check_kernels(kernels: str) -> None:
+    if kernels not in KERNELS:
+        raise InvalidRequest("linear_kernels", f"unknown kernels {kernels!r} ({', '.join(KERNELS)})")
+
+
 def use_kernels(model: torch.nn.Module, kernels: str = "auto") -> str:
     """Apply the linear kernels to every nn.Linear of a model in place; returns what it uses.
     auto: onednn for a float32 model on the CPU where PyTorch has oneDNN, else torch."""
-    if kernels not in KERNELS:
-        raise InvalidRequest("linear_kernels", f"unknown kernels {kernels!r} ({', '.join(KERNELS)})")
+    check_kernels(kernels)
     params = next(model.parameters(), None)
     fits = params is not None and params.device.type == "cpu" and params.dtype == torch.float32
     if kernels == "onednn" and not (fits and onednn_available()):

@@ -12,7 +12,7 @@ import torch
 
 from specd.errors import InvalidRequest, ModelError
 from specd.models.embedded import EMBEDDED_NAME, embedded_dir
-from specd.models.kernels import KERNELS, use_kernels
+from specd.models.kernels import check_kernels, use_kernels
 from specd.models.session import KVSession, hf_forward
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
@@ -102,8 +102,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    if linear_kernels not in KERNELS:  # before the load: a typo costs no time
-        raise InvalidRequest("linear_kernels", f"unknown kernels {linear_kernels!r} ({', '.join(KERNELS)})")
+    check_kernels(linear_kernels)  # before the load: a typo costs no time
     if spec in EMBEDDED_ALIASES:
         path, name = embedded_dir(cache_dir), EMBEDDED_NAME
     else:
