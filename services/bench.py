@@ -41,7 +41,7 @@ def add_command(sub) -> None:
     b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
     b.add_argument("--limit", type=int, default=5)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--drafter", default="ngram", help="ngram | early-exit")
+    b.add_argument("--drafter", default="ngram", help="ngram | retrieval | early-exit")
     b.add_argument("--policies", default="constant,cost-aware", help="comma list")
     b.add_argument("--target-model", default="embedded")
     b.add_argument("--no-pin", action="store_true", help="do not pin target and draft to their own cores")
@@ -80,7 +80,7 @@ def cmd_bench_services(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-services-"))
     torch.set_num_threads(1)
     target = load_model(args.target_model, "cpu", "float32")
-    drafter = build_drafter(args.drafter, target)
+    drafter = build_drafter(args.drafter, target)  # retrieval: the bundled datastore, as the service's
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     prompts = [target.encode_prompt(q.turns[0], chat=True) for q in load_questions(args.dataset, args.limit)]
     procs = []

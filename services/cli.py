@@ -50,7 +50,7 @@ def add_commands(sub) -> None:
         p.set_defaults(func=cmd_serve)
     up = sub.add_parser("up", help="start draft, target, coordinator and gateway on this machine")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0 = any free port)")
-    up.add_argument("--drafter", default="ngram", help="ngram (default) | early-exit | hf")
+    up.add_argument("--drafter", default="ngram", help="ngram (default) | retrieval | early-exit | hf")
     up.add_argument("--draft-model", help="transformers directory for --drafter hf")
     up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
     up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
@@ -118,7 +118,7 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     draft_flags = ["--drafter", args.drafter, "--target-model", args.target_model]
     if args.draft_model:
         draft_flags += ["--draft-model", args.draft_model]
-    if args.drafter != "ngram":  # two models on one CPU: split the cores instead of fighting over them
+    if args.drafter not in ("ngram", "retrieval"):  # two models on one CPU: split the cores
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []
     trainer = []

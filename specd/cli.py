@@ -38,13 +38,16 @@ def _kernels(args) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | feature "
+    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | retrieval | feature "
                                                       "(generate's default: ngram; train-head's: early-exit)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
     p.add_argument("--draft-adapter", help="trained early-exit adapter or feature head (safetensors; "
                                            "early-exit's default: the one bundled for the embedded target "
                                            "at 4 layers; 'none': untrained)")
+    p.add_argument("--datastore", help="retrieval's datastore of target answers (safetensors, made by "
+                                       "`specd train-drafter --kind datastore`; default: the one bundled "
+                                       "for the embedded target)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA if present)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                                                    "(auto: float32, the lossless choice; bfloat16 "
@@ -114,10 +117,12 @@ def _add_train_head(sub) -> None:
 def _add_train_drafter(sub) -> None:
     t = sub.add_parser("train-drafter", help="train a drafter on the target's own answers (corpus made here)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t.add_argument("--kind", default="early-exit", choices=["early-exit", "feature"],
+    t.add_argument("--kind", default="early-exit", choices=["early-exit", "feature", "datastore"],
                    help="early-exit: an adapter on the target's first layers; feature: an EAGLE-style "
-                        "head on the target's last hidden states")
-    t.add_argument("--out", type=Path, required=True, help="where to write the adapter (safetensors)")
+                        "head on the target's last hidden states; datastore: the corpus itself, indexed "
+                        "for the retrieval drafter (no training)")
+    t.add_argument("--out", type=Path, required=True,
+                   help="where to write the adapter, head or datastore (safetensors)")
     t.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (a GPU is far faster)")
@@ -225,7 +230,8 @@ def _load(args):
         if not args.draft_model:
             raise InvalidRequest("draft_model", "--drafter hf needs --draft-model DIR")
         draft_model = load_model(args.draft_model, args.device, args.dtype, args.cache_dir, _kernels(args))
-    drafter = build_drafter(args.drafter, target, draft_model, args.draft_layers, args.draft_adapter)
+    drafter = build_drafter(args.drafter, target, draft_model, args.draft_layers, args.draft_adapter,
+                            args.datastore)
     return target, drafter
 
 
@@ -312,6 +318,8 @@ def cmd_train_drafter(args) -> int:
     corpus = build_corpus(target, work, args.positions, prompt_files=args.prompts, self_instruct=args.self_instruct,
                           temperatures=temperatures, batch_size=args.gen_batch_size,
                           max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.kind == "datastore":
+        return _write_datastore(target, corpus, args.out, started)
     evals = {}
     for path in args.eval_prompts:  # answered once, kept beside the corpus
         saved = work / f"eval-{path.stem}-{args.eval_max_new_tokens}.safetensors"
@@ -329,6 +337,19 @@ def cmd_train_drafter(args) -> int:
                                   rank=args.rank, **common)
     report["wall_time_s"] = round(time.perf_counter() - started, 1)
     report["out"] = str(args.out)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _write_datastore(target, corpus, out: Path, started: float) -> int:
+    """Every answered prompt of the corpus (prompt + answer: answers quote their prompts)."""
+    from specd.drafters import Datastore
+
+    store = Datastore.from_documents((a.ids for a in corpus), meta={"target": target.name})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    store.save(out)
+    report = {"kind": "datastore", "documents": store.documents, "tokens": store.tokens,
+              "bytes": out.stat().st_size, "wall_time_s": round(time.perf_counter() - started, 1), "out": str(out)}
     print(json.dumps(report, indent=2))
     return 0
 
@@ -375,7 +396,7 @@ def cmd_bench(args) -> int:
         args.dataset, args.turn, args.limit, _comma_list(args.policies), _comma_list(args.drafter),
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
-        args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels)
+        args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

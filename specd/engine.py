@@ -229,7 +229,7 @@ class GenerationRun:
             if d is None:
                 break
             step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
-                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len)
+                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved)
             decision = policy.decide(step)
             if decision is Decision.DROP:
                 dropped = step

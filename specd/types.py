@@ -79,6 +79,7 @@ class DraftStep:
     entropy: float  # H(q) in nats
     hidden: torch.Tensor | None = None  # draft's last hidden state that produced q ([hidden])
     match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues (else 0)
+    retrieved: bool = False  # retrieval: the match is in the datastore, not in this request's text
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,9 +54,12 @@ class DraftSettings(ModelSettings, EarlyExitFields):
 
     port: int = Field(50061, ge=0, le=65535)
     metrics_port: int = Field(9101, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
-    drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram|feature)$",
-                         description="ngram (no model), early-exit (the target's first layers), hf, or feature "
-                                     "(an EAGLE-style head on the target's hidden states; draft_adapter: the head)")
+    drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram|retrieval|feature)$",
+                         description="ngram (no model), retrieval (ngram plus a datastore of target answers), "
+                                     "early-exit (the target's first layers), hf, or feature (an EAGLE-style "
+                                     "head on the target's hidden states; draft_adapter: the head)")
+    datastore: Path | None = Field(None, description="retrieval's datastore (default: the one bundled for "
+                                                     "the embedded target)")
     draft_model: str | None = Field(None, description="transformers directory for --drafter hf")
     specdecpp_head: Path | None = Field(None, description="SpecDec++ head (default: the bundled one)")
     dvi: bool = Field(False, description="learn online (DVI, early-exit only): log judged drafts to Redis and "

@@ -20,6 +20,7 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
 
     from specd.drafters import build_drafter
     from specd.models import load_model
+    from specd.models.loading import model_name
     from specd.policies import AcceptanceHead, bundled_head_path
 
     if s.dvi:  # checked before loading anything
@@ -34,7 +35,8 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
         model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels)
     elif s.drafter == "hf":
         model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels)
-    drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter)
+    drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter, s.datastore,
+                            model_name(s.target_model))
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)
     head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None
     dvi = None

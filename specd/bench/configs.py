@@ -2,7 +2,7 @@
 
 A configuration is one row of the report. `ar` (policy "none" through our engine) is the
 baseline every speedup is measured against and is always run. The oracle policy is run
-through the engine only for the ngram drafter (it has no distribution to teacher-force);
+through the engine only for the model-free drafters (ngram, retrieval: nothing to teacher-force);
 model drafters get the computed oracle bound instead (specd.bench.oracle).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specd.bench.peers import BASELINES, PEERS
-from specd.drafters import DRAFTERS
+from specd.drafters import DRAFTERS, MODEL_FREE
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, POLICIES, policy_class
 
@@ -42,6 +42,7 @@ class BenchSettings:
     cache_dir: Path | None = None
     draft_adapter: Path | None = None  # trained early-exit adapter
     linear_kernels: str = "auto"  # specd/models/kernels.py
+    datastore: Path | None = None  # retrieval's; None: the bundled one
 
     @property
     def greedy(self) -> bool:
@@ -92,7 +93,7 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
         for p in s.policies or default_policies():
             if p != NO_SPECULATION:
                 configs.append(Config(f"{d}/{p}", "engine", d, p, skip=_policy_skip(s, d, p, has_head)))
-        if d == "ngram" and (s.policies is None or "oracle" not in s.policies):
+        if d in MODEL_FREE and (s.policies is None or "oracle" not in s.policies):
             reason = None if s.greedy else "the oracle is defined for greedy decoding only"
             configs.append(Config(f"{d}/oracle", "engine", d, "oracle", skip=reason))
         if s.sweep_k:
@@ -104,9 +105,9 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
 def _policy_skip(s: BenchSettings, drafter: str, policy: str, has_head: dict[str, bool]) -> str | None:
     if policy == "oracle" and not s.greedy:
         return "the oracle is defined for greedy decoding only"
-    if policy == "oracle" and drafter != "ngram":
+    if policy == "oracle" and drafter not in MODEL_FREE:
         return "model drafters get the computed oracle bound (see oracle)"
-    if policy == "specdec++" and drafter == "ngram":
+    if policy == "specdec++" and drafter in MODEL_FREE:
         return "specdec++ needs a model drafter with hidden states"
     if policy == "specdec++" and not has_head.get(drafter):
         return "no specdec++ head for this pair (bench loads only the bundled embedded early-exit-4 head)"

@@ -34,7 +34,8 @@ def load_models(s: BenchSettings) -> Models:
 
     target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels)
     draft_model = load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels) if s.draft_model else None
-    drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter) for d in s.drafters}
+    drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter, s.datastore)
+                for d in s.drafters}
     if draft_model is None and "early-exit" in drafters and s.draft_adapter is None:
         draft_model = early_exit_assistant(drafters["early-exit"])  # the peers' assistant
     return Models(target, draft_model, drafters, _heads(drafters, target))
@@ -132,7 +133,7 @@ class BenchRun:
             if drafter.has_distribution:
                 entry["per_prompt"] = [self._bound(drafter, p, curve, window, prefill[p.key]) for p in self.prompts]
             else:
-                entry["note"] = "measured by running the oracle policy through the engine (config ngram/oracle)"
+                entry["note"] = f"measured by running the oracle policy through the engine (config {kind}/oracle)"
             result["drafters"][kind] = entry
         return result
 

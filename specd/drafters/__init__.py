@@ -1,4 +1,4 @@
-"""Drafters (DESIGN.md §2): hf, early-exit and ngram, and the registry that builds them."""
+"""Drafters (DESIGN.md §2): hf, early-exit, ngram, retrieval and feature, and the registry that builds them."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ from specd.drafters.base import Drafter, DraftSession, DraftToken
 from specd.drafters.early_exit import NO_ADAPTER, EarlyExitDrafter, bundled_adapter_path
 from specd.drafters.feature import FeatureDrafter
 from specd.drafters.hf import HfDrafter
-from specd.drafters.ngram import NgramDrafter
+from specd.drafters.datastore import Datastore, bundled_datastore_path
+from specd.drafters.ngram import NgramDrafter, RetrievalDrafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 
-DRAFTERS = ("hf", "early-exit", "ngram", "feature")
+DRAFTERS = ("hf", "early-exit", "ngram", "retrieval", "feature")
+MODEL_FREE = ("ngram", "retrieval")  # no distribution, no hidden states: nothing to teacher-force
 
 
 def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | None = None,
-                  draft_layers: int = 4, adapter_path: str | Path | None = None) -> Drafter:
+                  draft_layers: int = 4, adapter_path: str | Path | None = None,
+                  datastore: str | Path | None = None, target_name: str | None = None) -> Drafter:
+    """datastore: retrieval's (default: the one bundled for the target); target_name: whose
+    bundled datastore to use when no target model is loaded (the draft service)."""
     if kind == "hf":
         if draft_model is None:
             raise InvalidRequest("draft_model", "the hf drafter needs a draft model directory")
@@ -30,10 +35,19 @@ def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | Non
         return EarlyExitDrafter(target, draft_layers, adapter_path)
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "retrieval":  # datastore: specd train-drafter --kind datastore; default: the bundled one
+        name = target.name if target is not None else target_name
+        if datastore is None:
+            datastore = bundled_datastore_path(name) if name else None
+            if datastore is None:
+                raise InvalidRequest("datastore", f"no datastore is bundled for target {name!r}; build one "
+                                                  "with `specd train-drafter --kind datastore` and name it")
+        vocab = target.model.config.vocab_size if target is not None else None
+        return RetrievalDrafter(Datastore.load(datastore, vocab))
     if kind == "feature":  # adapter_path: the trained head (specd train-drafter --kind feature)
         return FeatureDrafter(target, None if str(adapter_path) == NO_ADAPTER else adapter_path)
     raise InvalidRequest("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
 
 
-__all__ = ["DRAFTERS", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter", "FeatureDrafter", "HfDrafter",
-           "NgramDrafter", "build_drafter"]
+__all__ = ["DRAFTERS", "MODEL_FREE", "Datastore", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter",
+           "FeatureDrafter", "HfDrafter", "NgramDrafter", "RetrievalDrafter", "build_drafter"]

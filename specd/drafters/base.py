@@ -32,6 +32,7 @@ class DraftToken:
     entropy: float  # H(q) in nats
     hidden: torch.Tensor | None = None  # [H] draft hidden state that produced q
     match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues
+    retrieved: bool = False  # retrieval: the match is in the datastore, not in this request's text
 
 
 class DraftSession(ABC):

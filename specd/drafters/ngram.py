@@ -1,4 +1,5 @@
-"""ngram: prompt-lookup drafting (Saxena 2023), no model.
+"""ngram and retrieval: prompt-lookup drafting (Saxena 2023) and its datastore form (REST,
+He et al. 2024), no model.
 
 Find the longest suffix of the sequence (at most max_ngram tokens, at least min_ngram) that
 occurred earlier in prompt + generated text, take its most recent occurrence, and propose the
@@ -7,6 +8,11 @@ continuation, and there is no draft at all without a match. The draft distributi
 mass on each proposed token. Every token carries the match length it came from, the feature a
 cost-aware policy calibrates its acceptance estimate on (a long match is a repeated passage, a
 one-token match is a guess).
+
+`retrieval` also searches a datastore of the target's own answers to other prompts
+(specd.drafters.datastore) and proposes its continuation when the datastore's match is longer
+than the one in this request's own text. Its tokens are marked `retrieved`, so a cost-aware
+policy calibrates them apart from the request's own repetitions.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
+from specd.drafters.datastore import Datastore
 
 
 def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
@@ -36,11 +43,13 @@ def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
 
 
 class NgramSession(DraftSession):
-    def __init__(self, max_ngram: int, min_ngram: int, lookahead: int):
+    def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
+        self.datastore = datastore
         self.proposal: list[int] = []  # continuation found for the current round
         self.cursor = 0  # next proposal index to hand out
         self.match_len = 0
+        self.retrieved = False  # the proposal comes from the datastore
         self.next_len = -1  # len(seq) at which proposal[cursor] is the next token
 
     def next(self, seq, params, generator, want_hidden):
@@ -51,14 +60,20 @@ class NgramSession(DraftSession):
         token = self.proposal[self.cursor]
         self.cursor += 1
         self.next_len += 1
-        return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len)
+        return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved)
 
     def _lookup(self, seq: list[int]) -> None:
         arr = np.asarray(seq, dtype=np.int64)
         start, length = longest_match(arr, self.max_ngram)
-        found = start >= 0 and length >= self.min_ngram
-        self.proposal = arr[start:start + self.lookahead].tolist() if found else []
-        self.cursor, self.match_len, self.next_len = 0, length if found else 0, len(seq)
+        if start < 0 or length < self.min_ngram:
+            length = 0
+        self.proposal = arr[start:start + self.lookahead].tolist() if length else []
+        self.retrieved = False
+        if self.datastore is not None and length < self.max_ngram:
+            found, found_len = self.datastore.lookup(arr[-self.max_ngram:], self.lookahead)
+            if found_len > length and found_len >= self.min_ngram and found:  # ties: the request's own text
+                self.proposal, length, self.retrieved = found, found_len, True
+        self.cursor, self.match_len, self.next_len = 0, length, len(seq)
 
     def rollback(self, length: int) -> None:
         if length < self.next_len:
@@ -68,6 +83,7 @@ class NgramSession(DraftSession):
 class NgramDrafter(Drafter):
     kind = "ngram"
     has_distribution = False
+    datastore: Datastore | None = None
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, lookahead: int = 64):
         if not 1 <= min_ngram <= max_ngram:
@@ -76,7 +92,17 @@ class NgramDrafter(Drafter):
 
     @property
     def name(self) -> str:
-        return f"ngram-{self.max_ngram}" + (f"-min{self.min_ngram}" if self.min_ngram > 1 else "")
+        return f"{self.kind}-{self.max_ngram}" + (f"-min{self.min_ngram}" if self.min_ngram > 1 else "")
 
     def open(self, vocab_size: int | None = None) -> NgramSession:
-        return NgramSession(self.max_ngram, self.min_ngram, self.lookahead)
+        return NgramSession(self.max_ngram, self.min_ngram, self.lookahead, self.datastore)
+
+
+class RetrievalDrafter(NgramDrafter):
+    """Prompt lookup, then a datastore of the target's own answers (REST)."""
+
+    kind = "retrieval"
+
+    def __init__(self, datastore: Datastore, max_ngram: int = 8, min_ngram: int = 1, lookahead: int = 64):
+        super().__init__(max_ngram, min_ngram, lookahead)
+        self.datastore = datastore

@@ -103,14 +103,14 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_kernels(linear_kernels)  # before the load: a typo costs no time
+    name = model_name(spec)
     if spec in EMBEDDED_ALIASES:
-        path, name = embedded_dir(cache_dir), EMBEDDED_NAME
+        path = embedded_dir(cache_dir)
     else:
         path = Path(spec).expanduser()
         if not (path / "config.json").is_file():
             raise ModelError(f"model path {spec!r} is not a transformers model directory "
                              "(no config.json); nothing is downloaded at run time")
-        name = path.resolve().name
     try:
         if device == SHARD:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
@@ -126,6 +126,11 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer))
+
+
+def model_name(spec: str) -> str:
+    """The name load_model gives the model `spec` names (keys bundled drafters), without loading it."""
+    return EMBEDDED_NAME if spec in EMBEDDED_ALIASES else Path(spec).expanduser().resolve().name
 
 
 def _max_context(config) -> int:

@@ -3,7 +3,8 @@
 After each drafted token the policy knows
   - a_i, the calibrated probability that draft token i is accepted given that tokens 1..i-1
     were. It is read from a table of feature bins: q(x) in tenths for a model drafter, (match
-    length, index in the window) for the n-gram drafter. Every bin starts at a prior and is
+    length, index in the window, and whether the match is in the request or in a retrieval
+    datastore) for the n-gram drafters. Every bin starts at a prior and is
     recalibrated online from verification outcomes: each judged token (up to and including
     the first rejection) is one observation of its bin, with old observations fading so the
     table follows the traffic. The table is the policy's shared state.
@@ -52,14 +53,15 @@ class CostAwareParams(PolicyParams):
                                              "to notice when it does again")
 
 
-def ngram_bin(match_len: int, index: int) -> str:
-    return f"n{min(match_len, MAX_MATCH_BIN)}i{min(index, MAX_INDEX_BIN)}"
+def ngram_bin(match_len: int, index: int, retrieved: bool = False) -> str:
+    """n-gram bins: the request's own text ("n") and a retrieval datastore ("r") apart."""
+    return f"{'r' if retrieved else 'n'}{min(match_len, MAX_MATCH_BIN)}i{min(index, MAX_INDEX_BIN)}"
 
 
 def feature_bin(step: DraftStep) -> str:
     """The calibration bin of a drafted token."""
     if step.match_len > 0:
-        return ngram_bin(step.match_len, step.index)
+        return ngram_bin(step.match_len, step.index, step.retrieved)
     return f"q{min(int(step.prob * 10), 9)}"
 
 
@@ -145,7 +147,7 @@ class CostAwarePolicy(StoppingPolicy):
         survive, expected, best = self.survive, self.expected, 0.0
         for m in range(1, min(self.params.horizon, self.params.max_draft_tokens - k) + 1):
             if step.match_len > 0:  # the match's next token: same match, one position later
-                survive *= self.estimate(ngram_bin(step.match_len, k + m))
+                survive *= self.estimate(ngram_bin(step.match_len, k + m, step.retrieved))
             else:  # a model drafter: assume the next tokens are as good as this one
                 survive *= self.estimate(feature_bin(step))
             expected += survive

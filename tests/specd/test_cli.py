@@ -117,6 +117,20 @@ def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
                                    "--max-new-tokens", "8", "--json"])
     assert code == 0, err
     assert json.loads(stdout)["stats"]["drafter"] == "feature"
+    store = tmp_path / "datastore.safetensors"
+    code, stdout, err = specd_cli(["train-drafter", *[str(store) if a == str(out) else a for a in common],
+                                   "--kind", "datastore"])
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["kind"] == "datastore" and report["tokens"] > 120 and store.is_file()  # prompts + answers
+    code, stdout, err = specd_cli(["generate", "hi", "--target-model", target_dir, "--device", "cpu",
+                                   "--drafter", "retrieval", "--datastore", str(store), "--max-new-tokens", "8",
+                                   "--json"])
+    assert code == 0, err
+    assert json.loads(stdout)["stats"]["drafter"] == "retrieval"
+    code, _, err = specd_cli(["generate", "hi", "--target-model", target_dir, "--device", "cpu",
+                              "--drafter", "retrieval"])
+    assert code == 2 and "datastore" in err  # none bundled for this target, none named
     code, _, err = specd_cli(["train-drafter", *common, "--temperatures", "0,hot"])
     assert code == 2 and "temperatures" in err
     code, _, err = specd_cli(["train-drafter", *common, "--epochs", "0"])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specd.costs import CostCurve
-from specd.drafters import EarlyExitDrafter, FeatureDrafter, HfDrafter, NgramDrafter
+from specd.drafters import (Datastore, EarlyExitDrafter, FeatureDrafter, HfDrafter, NgramDrafter,
+                            RetrievalDrafter)
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.tiny import loaded
@@ -19,9 +20,21 @@ PROMPTS = [[5, 9, 17, 33, 5, 9, 17], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7
 N = 32
 
 
-def drafters(target, draft):
+def drafters(target, draft, store=None):
     return {"hf": HfDrafter(draft, target), "early-exit": EarlyExitDrafter(target, 2), "ngram": NgramDrafter(),
-            "feature": FeatureDrafter(target)}
+            "feature": FeatureDrafter(target), "retrieval": RetrievalDrafter(store or Datastore.from_documents([]))}
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_target, hf_greedy):
+    """The target's own greedy answers to the test prompts, every 7th token corrupted, and
+    their reverse: the retrieval drafter's matches are often right and sometimes wrong."""
+    docs = []
+    for prompt in PROMPTS:
+        answer = hf_greedy(tiny_target.model, prompt, N)
+        docs.append([(t + 1) % 100 if i % 7 == 6 else t for i, t in enumerate(prompt + answer)])
+        docs.append(answer[::-1])
+    return Datastore.from_documents(docs)
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +43,14 @@ def random_head(tiny_target):
     return AcceptanceHead(tiny_target.model.config.hidden_size, depth=2, width=32).eval()
 
 
-@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "feature"])
+@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "retrieval", "feature"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_greedy_equals_target_alone(tiny_target, tiny_draft, hf_greedy, random_head, policy, drafter_kind):
-    drafter = drafters(tiny_target, tiny_draft)[drafter_kind]
+def test_greedy_equals_target_alone(tiny_target, tiny_draft, tiny_store, hf_greedy, random_head, policy,
+                                    drafter_kind):
+    drafter = drafters(tiny_target, tiny_draft, tiny_store)[drafter_kind]
     engine = SpeculativeEngine(tiny_target, drafter, specdecpp_head=random_head)
-    if policy == "specdec++" and drafter_kind == "ngram":
-        pytest.skip("specdec++ reads a draft model's hidden state; the n-gram drafter has none")
+    if policy == "specdec++" and drafter_kind in ("ngram", "retrieval"):
+        pytest.skip("specdec++ reads a draft model's hidden state; the n-gram drafters have none")
     for prompt in PROMPTS:
         want = hf_greedy(tiny_target.model, prompt, N)
         out = engine.generate(prompt, SamplingParams(max_new_tokens=N), SpecParams(policy), reference=want)
@@ -53,6 +67,14 @@ def test_speculation_actually_happens(tiny_target, tiny_draft):
         PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("constant"))
     assert 0.2 < out.stats.acceptance_rate < 1.0
     assert out.stats.verifications < N
+
+
+def test_retrieval_drafts_are_accepted_and_rejected(tiny_target, tiny_store):
+    """The lossless test above is empty for retrieval unless its drafts are both kept and refused."""
+    out = SpeculativeEngine(tiny_target, RetrievalDrafter(tiny_store)).generate(  # it knows this answer
+        PROMPTS[1], SamplingParams(max_new_tokens=N), SpecParams("constant"))
+    s = out.stats
+    assert s.accepted > 0 and s.accepted < s.drafted
 
 
 def test_judged_tokens_stop_at_the_first_rejection(tiny_target, tiny_draft):

@@ -134,3 +134,29 @@ def test_reduced_vocabulary_drafters_sample_the_target(pair, kind):
     assert sum(c for t, c in first.items() if t >= V // 2) > 50  # tokens the draft cannot propose
     assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
     assert pooled_chisquare(second, joint, RUNS) > 1e-3
+
+
+def test_retrieval_point_mass_drafts_sample_the_target(pair):
+    """The retrieval drafter proposes point masses (q = 1 on one token): accepted with
+    probability p(x), else the residual is p without x. Its datastore proposes the target's two
+    most likely tokens after the prompt, so every path occurs: both drafts kept, the second
+    refused, the first refused."""
+    from specd.drafters import Datastore, RetrievalDrafter
+
+    target, _ = pair
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    joint = exact_two_token(target.model, params)
+    a = int(joint.sum(1).argmax())
+    b = int(joint[a].argmax())
+    engine = SpeculativeEngine(target, RetrievalDrafter(Datastore.from_documents([PROMPT + [a, b]])))
+    first, second, paths = Counter(), Counter(), Counter()
+    for seed in range(RUNS):
+        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2),
+                              SpecParams("constant", policy_params={"k": 2}))
+        t0, t1 = out.token_ids
+        first[t0] += 1
+        second[t0 * V + t1] += 1
+        paths[out.stats.accepted_lengths[0]] += 1
+    assert paths[0] > 50 and paths[1] + paths[2] > 50
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3

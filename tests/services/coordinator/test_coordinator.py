@@ -64,6 +64,38 @@ def test_greedy_output_is_the_target_alone(chat_pair, target_service, hf_draft_s
             assert stats["verifications"] + stats["accepted"] >= len(ids)
 
 
+def test_a_retrieval_draft_service_is_lossless_and_gets_drafts_accepted(service_loop, chat_pair, target_service,
+                                                                        tmp_path):
+    """The draft service built from its settings (no model loaded) with a datastore of the
+    target's answers, corrupted every 5th token so that its drafts are kept and refused."""
+    from services.common.settings import DraftSettings
+    from services.draft.main import build_servicer
+    from services.draft.main import start as start_draft
+    from specd.drafters import Datastore
+    from tests.services.conftest import Service
+
+    target, prompts = chat_pair[0], [PROMPTS[0], "the cat sat"]  # 32 tokens each, no early EOS
+    docs = []
+    for prompt in prompts:
+        ids = target.encode_prompt(prompt, chat=False) + reference(target, prompt, 32)
+        docs.append([t if i % 5 else (t + 1) % len(target.tokenizer) for i, t in enumerate(ids)])
+    store = tmp_path / "ds.safetensors"
+    Datastore.from_documents(docs).save(store)
+    settings = DraftSettings(port=0, drafter="retrieval", datastore=store, target_model="/no/model/needed")
+    servicer = build_servicer(settings)
+    server, port = service_loop.run(start_draft(settings, servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    try:
+        for prompt in prompts:
+            request = GenerateRequest(prompt=prompt, sampling=SamplingParams(max_new_tokens=32),
+                                      spec=SpecParams("constant"), overlap=True)
+            ids, finish = generate(target_service.address, svc.address, request)
+            assert ids == reference(target, prompt, 32)
+            assert 0 < finish.spec_stats["accepted"] < finish.spec_stats["drafted"], finish.spec_stats
+    finally:
+        svc.stop()
+
+
 def test_speculation_happens(chat_pair, target_service, hf_draft_service):
     """The 1%-noise draft must get tokens accepted, or the identity tests prove little."""
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=32),

@@ -27,8 +27,8 @@ def model_step(index: int, prob: float) -> DraftStep:
     return DraftStep(index, index - 1, 7, prob, prob, 0.5)
 
 
-def ngram_step(index: int, match_len: int, token: int = 7) -> DraftStep:
-    return DraftStep(index, index - 1, token, 1.0, 1.0, 0.0, None, match_len)
+def ngram_step(index: int, match_len: int, token: int = 7, retrieved: bool = False) -> DraftStep:
+    return DraftStep(index, index - 1, token, 1.0, 1.0, 0.0, None, match_len, retrieved)
 
 
 def window(p, make_step, cap: int = 64) -> tuple[int, Decision]:
@@ -85,6 +85,20 @@ def test_ngram_bins_learn_from_outcomes_and_dropped_tokens():
     for _ in range(20):
         p.observe(RoundOutcome(3, 3, (0.0,) * 3, False, (), tuple(ngram_step(i, 8) for i in (1, 2, 3))))
     assert p.estimate("n8i1") > 0.9 and p.decide(ngram_step(1, 8)) is C
+
+
+def test_retrieved_matches_are_calibrated_apart_from_the_requests_own():
+    """A 3-token match in the datastore is not as good as a 3-token repeat of this request's
+    own text: their outcomes land in separate bins, and the decisions follow."""
+    p = policy(CPU)
+    for _ in range(30):
+        p.observe(RoundOutcome(2, 0, (0.0, 0.0), False, (), (ngram_step(1, 3, retrieved=True),
+                                                              ngram_step(2, 3, retrieved=True))))
+        p.observe(RoundOutcome(3, 3, (0.0,) * 3, False, (), tuple(ngram_step(i, 3) for i in (1, 2, 3))))
+    assert p.estimate("r3i1") < 0.1 < 0.9 < p.estimate("n3i1")
+    assert p.decide(ngram_step(1, 3, retrieved=True)) is D
+    p.begin_round()
+    assert p.decide(ngram_step(1, 3)) is C
 
 
 def test_the_table_is_shared_state_and_forgets_slowly():

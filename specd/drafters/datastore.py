@@ -1,0 +1,154 @@
+"""A datastore of the target's own text, searched by suffix (REST, He et al. 2024).
+
+Prompt lookup only finds what this request already said. A datastore holds what the target
+said to many other prompts: its greedy answers repeat phrasings across requests ("Here are
+some tips", "In conclusion, ..."), so the tokens after the longest match of the current
+suffix in that text are a good guess at what it says next.
+
+The text is one int32 array of documents separated by -1. The index is the list of
+positions e that have a next token, sorted by the reversed context data[e], data[e-1], ...,
+data[e-W+1] (W = `width`). Extending a match one token further back then narrows a
+contiguous range of that list, so the longest match is W binary searches, each over the
+range the previous one left. Its continuation is the majority path through the matched
+occurrences: the most frequent next token, then the most frequent one after it among the
+occurrences that agreed, for as long as a majority agrees.
+
+Memory: 4 bytes per token for the text and 4 for the index (a million tokens: 8 MB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from specd.errors import InvalidRequest
+
+SEP = -1
+DATA = Path(__file__).resolve().parent.parent / "data"
+# Datastores shipped with specd, by target: `specd train-drafter --kind datastore` made them
+# (docs/engine.md gives the command); used by the retrieval drafter when none is named.
+BUNDLED_DATASTORES = {"smollm2-135m-instruct": DATA / "smollm2-datastore.safetensors"}
+MAX_VOTERS = 4096  # majorities over more occurrences than this are taken on an even subsample
+
+
+def bundled_datastore_path(target_name: str) -> Path | None:
+    path = BUNDLED_DATASTORES.get(target_name)
+    return path if path is not None and path.is_file() else None
+
+
+class Datastore:
+    def __init__(self, tokens: np.ndarray, width: int = 8, meta: dict[str, str] | None = None):
+        if width < 1:
+            raise InvalidRequest("width", f"must be at least 1, got {width}")
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.ndim != 1 or (tokens.size and int(tokens.min()) < SEP):
+            raise InvalidRequest("datastore", "tokens must be one array of ids >= 0 separated by -1")
+        self.width = width
+        self.meta = dict(meta or {})
+        self.documents = int((tokens == SEP).sum()) + (1 if tokens.size and tokens[-1] != SEP else 0)
+        # width separators in front (a context never reaches before the text), a continuation's
+        # worth of them behind (reading past a document's end always meets one)
+        self.data = np.concatenate([np.full(width, SEP, np.int32), tokens, np.full(64, SEP, np.int32)])
+        ends = np.flatnonzero((self.data[:-1] >= 0) & (self.data[1:] >= 0))
+        keys = [self.data[ends - j] for j in range(width - 1, -1, -1)]  # lexsort: last key is primary
+        self.index = ends[np.lexsort(keys)].astype(np.int32) if ends.size else ends.astype(np.int32)
+        # where each last token's block of the index starts: the first narrowing is a lookup
+        first = self.data[self.index]
+        self.vocab = int(first.max()) + 1 if first.size else 0
+        self.starts = np.searchsorted(first, np.arange(self.vocab + 1)).astype(np.int64)
+
+    @classmethod
+    def from_documents(cls, docs: Iterable[Sequence[int]], width: int = 8,
+                       meta: dict[str, str] | None = None) -> Datastore:
+        parts = []
+        for doc in docs:
+            if len(doc):
+                parts.append(np.asarray(doc, dtype=np.int32))
+                parts.append(np.array([SEP], np.int32))
+        return cls(np.concatenate(parts) if parts else np.zeros(0, np.int32), width, meta)
+
+    @property
+    def tokens(self) -> int:
+        """Text tokens held (separators not counted)."""
+        return int((self.data >= 0).sum())
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.data.tobytes()).hexdigest()[:12]
+
+    # -- files ---------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        body = self.data[self.width:len(self.data) - 64]
+        meta = {k: str(v) for k, v in self.meta.items()} | {"width": str(self.width)}
+        save_file({"tokens": np.ascontiguousarray(body)}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> Datastore:
+        path = Path(path)
+        if not path.is_file():
+            raise InvalidRequest("datastore", f"no datastore file at {path}")
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), "np") as f:
+                meta = dict(f.metadata() or {})
+            tokens = tensors["tokens"]
+        except Exception as exc:  # a file that is not a datastore: one clear line
+            raise InvalidRequest("datastore", f"{path} is not a datastore ({exc})") from None
+        store = cls(tokens, int(meta.get("width", 8)), meta)
+        if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
+            raise InvalidRequest("datastore", f"{path} holds token ids up to {int(tokens.max())}, beyond this "
+                                              f"target's vocabulary of {vocab_size}: built for another tokenizer")
+        return store
+
+    # -- lookup --------------------------------------------------------------------------------
+    def match(self, context: np.ndarray) -> tuple[np.ndarray, int]:
+        """(positions where the longest matched suffix of context ends, its length), capped at
+        `width` tokens; (empty, 0) when not even the last token occurs with a continuation."""
+        if not len(context) or not 0 <= context[-1] < self.vocab:
+            return self.index[:0], 0
+        last = int(context[-1])
+        lo, hi, length = int(self.starts[last]), int(self.starts[last + 1]), 1
+        if lo == hi:
+            return self.index[:0], 0
+        for j in range(1, min(self.width, len(context))):
+            column = self.data[self.index[lo:hi] - j]  # sorted: earlier columns are equal in the range
+            want = context[len(context) - 1 - j]
+            a = int(np.searchsorted(column, want, "left"))
+            b = int(np.searchsorted(column, want, "right"))
+            if a == b:
+                break
+            lo, hi, length = lo + a, lo + b, j + 1
+        return (self.index[lo:hi] if length else self.index[:0]), length
+
+    def continuation(self, ends: np.ndarray, max_len: int) -> list[int]:
+        """The majority path after the occurrences ending at `ends`: the most frequent next
+        token, then among the occurrences that agreed the most frequent one after it, while
+        more than half agree (the first token needs only to be the most frequent)."""
+        if ends.size > MAX_VOTERS:
+            ends = ends[:: -(-ends.size // MAX_VOTERS)]
+        out: list[int] = []
+        for j in range(1, max_len + 1):
+            nxt = self.data[ends + j]
+            nxt = nxt[nxt >= 0]
+            if nxt.size == 0:
+                break
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(counts.argmax())
+            if j > 1 and 2 * int(counts[best]) <= ends.size:
+                break
+            token = int(values[best])
+            out.append(token)
+            ends = ends[self.data[ends + j] == token]
+        return out
+
+    def lookup(self, context: np.ndarray, max_len: int) -> tuple[list[int], int]:
+        """(proposed continuation, match length) for the text so far."""
+        ends, length = self.match(context)
+        if not length:
+            return [], 0
+        return self.continuation(ends, min(max_len, 64)), length
