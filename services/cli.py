@@ -50,7 +50,8 @@ def add_commands(sub) -> None:
         p.set_defaults(func=cmd_serve)
     up = sub.add_parser("up", help="start draft, target, coordinator and gateway on this machine")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0 = any free port)")
-    up.add_argument("--drafter", default="ngram", help="ngram (default) | retrieval | early-exit | hf")
+    up.add_argument("--drafter", help="retrieval | ngram | early-exit | hf (default: retrieval where specd "
+                                      "ships a datastore for the target, the embedded one, else ngram)")
     up.add_argument("--draft-model", help="transformers directory for --drafter hf")
     up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
     up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
@@ -115,15 +116,19 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     draft, target, coord = _free_port(), _free_port(), _free_port()
     gateway = args.port or _free_port()
     cpus = os.cpu_count() or 2
-    draft_flags = ["--drafter", args.drafter, "--target-model", args.target_model]
+    from specd.drafters import default_drafter
+    from specd.models.loading import model_name
+
+    drafter = args.drafter or default_drafter(model_name(args.target_model))
+    draft_flags = ["--drafter", drafter, "--target-model", args.target_model]
     if args.draft_model:
         draft_flags += ["--draft-model", args.draft_model]
-    if args.drafter not in ("ngram", "retrieval"):  # two models on one CPU: split the cores
+    if drafter not in ("ngram", "retrieval"):  # two models on one CPU: split the cores
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []
     trainer = []
     if args.dvi:
-        if args.drafter != "early-exit" or not args.redis_url:
+        if drafter != "early-exit" or not args.redis_url:
             raise SpecdError("--dvi needs --drafter early-exit and --redis-url (the replay stream lives in Redis)")
         draft_flags += ["--dvi", "true", *redis]
         trainer = [("trainer", ["--target-model", args.target_model, "--threads", str(max(1, cpus // 4)), *redis],

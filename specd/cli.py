@@ -38,8 +38,9 @@ def _kernels(args) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", default="ngram", help="hf | early-exit | ngram | retrieval | feature "
-                                                      "(generate's default: ngram; train-head's: early-exit)")
+    p.add_argument("--drafter", help="hf | early-exit | ngram | retrieval | feature (default: retrieval "
+                                     "where specd ships a datastore for the target, the embedded one, "
+                                     "else ngram; train-head's: early-exit; bench takes a comma list)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
     p.add_argument("--draft-adapter", help="trained early-exit adapter or feature head (safetensors; "
@@ -221,10 +222,11 @@ def _quiet_libraries() -> None:
 
 
 def _load(args):
-    from specd.drafters import build_drafter
+    from specd.drafters import build_drafter, default_drafter
     from specd.models import load_model
 
     target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args))
+    args.drafter = args.drafter or default_drafter(target.name)
     draft_model = None
     if args.drafter == "hf":
         if not args.draft_model:
@@ -391,9 +393,13 @@ def cmd_bench(args) -> int:
     from specd.bench import BenchSettings, run_bench
     from specd.bench.report import write_outputs
 
+    from specd.drafters import default_drafter
+    from specd.models.loading import model_name
+
     baselines = _comma_list(args.baselines)
+    drafters = _comma_list(args.drafter) or (default_drafter(model_name(args.target_model)),)
     settings = BenchSettings(
-        args.dataset, args.turn, args.limit, _comma_list(args.policies), _comma_list(args.drafter),
+        args.dataset, args.turn, args.limit, _comma_list(args.policies), drafters,
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore)

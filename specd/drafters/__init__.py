@@ -5,16 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
+from specd.drafters.datastore import Datastore, bundled_datastore_path
 from specd.drafters.early_exit import NO_ADAPTER, EarlyExitDrafter, bundled_adapter_path
 from specd.drafters.feature import FeatureDrafter
 from specd.drafters.hf import HfDrafter
-from specd.drafters.datastore import Datastore, bundled_datastore_path
 from specd.drafters.ngram import NgramDrafter, RetrievalDrafter
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 
 DRAFTERS = ("hf", "early-exit", "ngram", "retrieval", "feature")
 MODEL_FREE = ("ngram", "retrieval")  # no distribution, no hidden states: nothing to teacher-force
+
+
+def default_drafter(target_name: str) -> str:
+    """The drafter used when none is named: retrieval where specd ships a datastore for the
+    target (the embedded one; docs/benchmarks.md), else ngram."""
+    return "retrieval" if bundled_datastore_path(target_name) is not None else "ngram"
 
 
 def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | None = None,
@@ -50,4 +56,4 @@ def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | Non
 
 
 __all__ = ["DRAFTERS", "MODEL_FREE", "Datastore", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter",
-           "FeatureDrafter", "HfDrafter", "NgramDrafter", "RetrievalDrafter", "build_drafter"]
+           "FeatureDrafter", "HfDrafter", "NgramDrafter", "RetrievalDrafter", "build_drafter", "default_drafter"]

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from specd.errors import InvalidRequest
@@ -92,12 +93,10 @@ class Datastore:
             raise InvalidRequest("datastore", f"no datastore file at {path}")
         try:
             tensors = load_file(str(path))
-            from safetensors import safe_open
-
             with safe_open(str(path), "np") as f:
                 meta = dict(f.metadata() or {})
             tokens = tensors["tokens"]
-        except Exception as exc:  # a file that is not a datastore: one clear line
+        except (SafetensorError, OSError, KeyError) as exc:  # not a datastore: one clear line
             raise InvalidRequest("datastore", f"{path} is not a datastore ({exc})") from None
         store = cls(tokens, int(meta.get("width", 8)), meta)
         if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:

@@ -23,6 +23,16 @@ def test_dvi_adds_a_trainer_and_the_draft_logs_to_the_same_redis():
     assert "trainer" not in {name for name, _, _ in _plan(_args())}
 
 
+def test_the_default_drafter_is_retrieval_where_a_datastore_ships(tmp_path):
+    def draft_flags(*argv):
+        flags = {name: flags for name, flags, _ in _plan(_args(*argv))}["draft"]
+        return flags[flags.index("--drafter") + 1], "--threads" in flags
+
+    assert draft_flags() == ("retrieval", False)  # the embedded target: no model drafts, no core split
+    assert draft_flags("--target-model", str(tmp_path)) == ("ngram", False)  # nothing bundled for it
+    assert draft_flags("--drafter", "early-exit") == ("early-exit", True)
+
+
 @pytest.mark.parametrize("argv", [["--dvi", "--redis-url", "redis://r"], ["--drafter", "early-exit", "--dvi"]])
 def test_dvi_needs_early_exit_and_redis(argv):
     with pytest.raises(SpecdError, match="--dvi needs"):

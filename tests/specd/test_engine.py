@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from specd.costs import CostCurve
-from specd.drafters import (Datastore, EarlyExitDrafter, FeatureDrafter, HfDrafter, NgramDrafter,
-                            RetrievalDrafter)
+from specd.drafters import (
+    Datastore,
+    EarlyExitDrafter,
+    FeatureDrafter,
+    HfDrafter,
+    NgramDrafter,
+    RetrievalDrafter,
+)
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.tiny import loaded
