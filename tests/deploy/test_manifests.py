@@ -466,7 +466,7 @@ def test_compose_images_and_gpu_override():
         assert svc["build"] == {"context": ".", "dockerfile": "deploy/docker/Dockerfile"}, name
     cache = [v for v in base["services"]["target"]["volumes"] if v.endswith(":/cache")]
     assert cache and cache[0].split(":")[0] in base["volumes"], "the model cache is a named volume"
-    assert compose_env(base["services"]["draft"])["SPECD_DRAFT_DRAFTER"] == "retrieval"  # the bundled datastore ships in the image (package data)
+    assert compose_env(base["services"]["draft"])["SPECD_DRAFT_DRAFTER"] == "retrieval"  # its datastore ships in the image
     merged = merge(base, gpu)
     for name in ("target", "draft"):
         svc = merged["services"][name]
