@@ -99,7 +99,9 @@ class CoordinatorSettings(GrpcServiceSettings):
     metrics_port: int = Field(9103, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     target_address: str = Field("127.0.0.1:50062", description="host:port of the target service")
     draft_address: str = Field("127.0.0.1:50061", description="host:port of the draft service ('' = none)")
-    overlap: bool = Field(True, description="PEARL: draft the next window while the target verifies")
+    overlap: bool = Field(True, description="PEARL: draft the next window while the target verifies "
+                                            "(not for a lookup drafter, ngram or retrieval, unless a request "
+                                            "asks: it has no drafting time to hide)")
     default_policy: str = Field("cost-aware", description="stopping policy when a request names none")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of one request")
     draft_stall_s: float = Field(10.0, gt=0, le=3600,
@@ -114,7 +116,8 @@ class GatewaySettings(ServiceSettings):
     coordinator_address: str = Field("", description="host:port of a coordinator service ('' = in-process)")
     target_address: str = Field("127.0.0.1:50062", description="target service, for the in-process coordinator")
     draft_address: str = Field("127.0.0.1:50061", description="draft service, for the in-process coordinator")
-    overlap: bool = Field(True, description="PEARL overlap in the in-process coordinator")
+    overlap: bool = Field(True, description="PEARL overlap in the in-process coordinator (not for a "
+                                            "lookup drafter unless a request asks)")
     default_policy: str = Field("cost-aware", description="stopping policy when a request names none")
     max_tokens_limit: int = Field(4096, ge=1, le=1 << 20, description="largest max_tokens a request may ask")
     api_keys: str = Field("", description="comma-separated API keys ('' = open)")

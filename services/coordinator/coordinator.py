@@ -36,6 +36,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
+from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest, ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 class CoordinatorConfig:
     target_address: str
     draft_address: str | None  # None: target-only decoding
-    overlap: bool = True  # PEARL; a request may override it
+    overlap: bool = True  # PEARL (not for a lookup drafter); a request may override it
     request_timeout_s: float = 600.0
     draft_stall_s: float = 10.0
     info_timeout_s: float = 5.0
@@ -142,7 +143,7 @@ class Coordinator:
             else:
                 _check_spec(request.spec, draft)
                 draft_stub = self.draft_stub
-                cfg = await self._with_draft(cfg, draft)
+                cfg = await self._with_draft(cfg, draft, request.overlap)
         loop = RequestLoop(cfg, self.target_stub, draft_stub)
         if fallback_reason:
             loop.stats.fallback, loop.stats.fallback_reason = True, fallback_reason
@@ -196,10 +197,14 @@ class Coordinator:
             min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
             info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None)
 
-    async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo) -> LoopConfig:
+    async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))
         send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
-        return dataclasses.replace(cfg, send_distributions=send_q, policy_state=state, drafter=draft.name,
+        # A lookup drafter has no drafting time for PEARL to hide, and its pre-verification of a
+        # window's first token alone costs a target forward: sequential, unless the request asks.
+        overlap = cfg.overlap and (asked is not None or draft.kind not in MODEL_FREE_KINDS)
+        return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
+                                   drafter=draft.name,
                                    verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s,
                                    top_logprobs=draft.top_logprobs, features=draft.needs_features)
 

@@ -96,6 +96,21 @@ def test_a_retrieval_draft_service_is_lossless_and_gets_drafts_accepted(service_
         svc.stop()
 
 
+def test_a_lookup_drafter_runs_sequentially_unless_the_request_asks_for_pearl(target_service, hf_draft_service,
+                                                                             ngram_draft_service):
+    """PEARL hides drafting time; an n-gram lookup has none, and pre-verifying its first token
+    alone costs a target forward (docs/services.md measured it), so its default is sequential."""
+    def overlap(draft, asked):
+        request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=8),
+                                  spec=SpecParams("constant"), overlap=asked)
+        return generate(target_service.address, draft.address, request)[1].spec_stats["overlap"]
+
+    assert overlap(ngram_draft_service, None) is False
+    assert overlap(ngram_draft_service, True) is True
+    assert overlap(hf_draft_service, None) is True
+    assert overlap(hf_draft_service, False) is False
+
+
 def test_speculation_happens(chat_pair, target_service, hf_draft_service):
     """The 1%-noise draft must get tokens accepted, or the identity tests prove little."""
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=32),
