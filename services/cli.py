@@ -116,14 +116,14 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     draft, target, coord = _free_port(), _free_port(), _free_port()
     gateway = args.port or _free_port()
     cpus = os.cpu_count() or 2
-    from specd.drafters import default_drafter
+    from specd.drafters import MODEL_FREE, default_drafter
     from specd.models.loading import model_name
 
     drafter = args.drafter or default_drafter(model_name(args.target_model))
     draft_flags = ["--drafter", drafter, "--target-model", args.target_model]
     if args.draft_model:
         draft_flags += ["--draft-model", args.draft_model]
-    if drafter not in ("ngram", "retrieval"):  # two models on one CPU: split the cores
+    if drafter not in MODEL_FREE:  # two models on one CPU: split the cores
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []
     trainer = []

@@ -18,7 +18,6 @@ Memory: 4 bytes per token for the text and 4 for the index (a million tokens: 8 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 from specd.errors import InvalidRequest
 
 SEP = -1
+TAIL = 64  # separators after the text: a continuation (at most this long) always meets one
 DATA = Path(__file__).resolve().parent.parent / "data"
 # Datastores shipped with specd, by target: `specd train-drafter --kind datastore` made them
 # (docs/engine.md gives the command); used by the retrieval drafter when none is named.
@@ -51,9 +51,8 @@ class Datastore:
         self.width = width
         self.meta = dict(meta or {})
         self.documents = int((tokens == SEP).sum()) + (1 if tokens.size and tokens[-1] != SEP else 0)
-        # width separators in front (a context never reaches before the text), a continuation's
-        # worth of them behind (reading past a document's end always meets one)
-        self.data = np.concatenate([np.full(width, SEP, np.int32), tokens, np.full(64, SEP, np.int32)])
+        # width separators in front (a context never reaches before the text), TAIL behind
+        self.data = np.concatenate([np.full(width, SEP, np.int32), tokens, np.full(TAIL, SEP, np.int32)])
         ends = np.flatnonzero((self.data[:-1] >= 0) & (self.data[1:] >= 0))
         keys = [self.data[ends - j] for j in range(width - 1, -1, -1)]  # lexsort: last key is primary
         self.index = ends[np.lexsort(keys)].astype(np.int32) if ends.size else ends.astype(np.int32)
@@ -77,12 +76,9 @@ class Datastore:
         """Text tokens held (separators not counted)."""
         return int((self.data >= 0).sum())
 
-    def fingerprint(self) -> str:
-        return hashlib.sha256(self.data.tobytes()).hexdigest()[:12]
-
     # -- files ---------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        body = self.data[self.width:len(self.data) - 64]
+        body = self.data[self.width:len(self.data) - TAIL]
         meta = {k: str(v) for k, v in self.meta.items()} | {"width": str(self.width)}
         save_file({"tokens": np.ascontiguousarray(body)}, str(path), metadata=meta)
 
@@ -98,11 +94,10 @@ class Datastore:
             tokens = tensors["tokens"]
         except (SafetensorError, OSError, KeyError) as exc:  # not a datastore: one clear line
             raise InvalidRequest("datastore", f"{path} is not a datastore ({exc})") from None
-        store = cls(tokens, int(meta.get("width", 8)), meta)
         if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
             raise InvalidRequest("datastore", f"{path} holds token ids up to {int(tokens.max())}, beyond this "
                                               f"target's vocabulary of {vocab_size}: built for another tokenizer")
-        return store
+        return cls(tokens, int(meta.get("width", 8)), meta)
 
     # -- lookup --------------------------------------------------------------------------------
     def match(self, context: np.ndarray) -> tuple[np.ndarray, int]:
@@ -150,4 +145,4 @@ class Datastore:
         ends, length = self.match(context)
         if not length:
             return [], 0
-        return self.continuation(ends, min(max_len, 64)), length
+        return self.continuation(ends, min(max_len, TAIL)), length
