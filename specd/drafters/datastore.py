@@ -117,7 +117,7 @@ class Datastore:
             if a == b:
                 break
             lo, hi, length = lo + a, lo + b, j + 1
-        return (self.index[lo:hi] if length else self.index[:0]), length
+        return self.index[lo:hi], length
 
     def continuation(self, ends: np.ndarray, max_len: int) -> list[int]:
         """The majority path after the occurrences ending at `ends`: the most frequent next
@@ -126,9 +126,9 @@ class Datastore:
         if ends.size > MAX_VOTERS:
             ends = ends[:: -(-ends.size // MAX_VOTERS)]
         out: list[int] = []
-        for j in range(1, max_len + 1):
-            nxt = self.data[ends + j]
-            nxt = nxt[nxt >= 0]
+        for j in range(1, min(max_len, TAIL) + 1):
+            column = self.data[ends + j]
+            nxt = column[column >= 0]
             if nxt.size == 0:
                 break
             values, counts = np.unique(nxt, return_counts=True)
@@ -137,12 +137,10 @@ class Datastore:
                 break
             token = int(values[best])
             out.append(token)
-            ends = ends[self.data[ends + j] == token]
+            ends = ends[column == token]
         return out
 
     def lookup(self, context: np.ndarray, max_len: int) -> tuple[list[int], int]:
         """(proposed continuation, match length) for the text so far."""
         ends, length = self.match(context)
-        if not length:
-            return [], 0
-        return self.continuation(ends, min(max_len, TAIL)), length
+        return (self.continuation(ends, max_len) if length else []), length

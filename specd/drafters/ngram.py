@@ -70,9 +70,11 @@ class NgramSession(DraftSession):
         self.proposal = arr[start:start + self.lookahead].tolist() if length else []
         self.retrieved = False
         if self.datastore is not None and length < self.max_ngram:
-            found, found_len = self.datastore.lookup(arr[-self.max_ngram:], self.lookahead)
-            if found_len > length and found_len >= self.min_ngram and found:  # ties: the request's own text
-                self.proposal, length, self.retrieved = found, found_len, True
+            ends, found_len = self.datastore.match(arr[-self.max_ngram:])
+            if found_len > length and found_len >= self.min_ngram:  # ties: the request's own text
+                found = self.datastore.continuation(ends, self.lookahead)  # only for a match that wins
+                if found:
+                    self.proposal, length, self.retrieved = found, found_len, True
         self.cursor, self.match_len, self.next_len = 0, length, len(seq)
 
     def rollback(self, length: int) -> None:
