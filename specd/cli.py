@@ -86,6 +86,9 @@ def _add_generate(sub) -> None:
                    help="override a policy hyperparameter, e.g. --policy-param h=0.4 (repeatable)")
     g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")
     g.add_argument("--relaxed", action="store_true", help="AdaSD relaxed verification (LOSSY, adasd only)")
+    g.add_argument("--branches", type=int,
+                   help="side branches verified beside the drafted chain as a draft tree (lookup drafters; "
+                        "default: the drafter's, 3 for ngram and retrieval; 0 = chains only)")
     g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
                                                        "head for the embedded early-exit-4 pair)")
     g.add_argument("--task-tag", default="default", help="key of the shared adaptive policy state")
@@ -173,6 +176,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--baselines", default="ar,hf-prompt-lookup",
                    help="comma list of ar, hf-assisted, hf-heuristic, hf-prompt-lookup (ar always runs)")
     b.add_argument("--sweep-k", action="store_true", help="also run constant K = 1..8 (expensive)")
+    b.add_argument("--chains", action="store_true",
+                   help="also run every lookup-drafter configuration with chains only (DRAFTER/POLICY/chain), "
+                        "to measure what its draft trees add")
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
@@ -253,7 +259,7 @@ def cmd_generate(args) -> int:
                               tuple(args.stop))
     sampling.validate()
     spec = SpecParams(args.policy, args.max_draft_tokens, dict(args.policy_param), args.task_tag,
-                      args.relaxed)
+                      args.relaxed, args.branches)
     if not args.prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
     target, drafter = _load(args) if args.policy != "none" else (_load_target(args), None)
@@ -402,7 +408,8 @@ def cmd_bench(args) -> int:
         args.dataset, args.turn, args.limit, _comma_list(args.policies), drafters,
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
-        args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore)
+        args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
+        args.chains)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

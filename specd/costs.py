@@ -45,6 +45,7 @@ class CostCurve:
     smoothing: float = 0.05  # weight of one new observation in the moving averages
     scale: float = 1.0  # observed / measured target cost, followed while serving
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _monotone: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ks or len(self.ks) != len(self.t_target_k):
@@ -61,6 +62,19 @@ class CostCurve:
             self._fit = tuple(np.polyfit(ks, ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
         slope, intercept = self._fit
         return self.scale * float(max(intercept + slope * k, 0.0))
+
+    def t_monotone(self, k: float) -> float:
+        """t_target on the monotone (isotonic) fit of the measured curve: a forward over more
+        tokens never costs less, so a few noisy medians must not make a bigger window look
+        cheaper than a smaller one. Extrapolated past the measured ks with the fitted slope."""
+        if self._monotone is None:
+            self._monotone = isotonic(self._ts)
+        ks, ts = self._ks, self._monotone
+        if k <= ks[-1]:
+            return self.scale * float(np.interp(k, ks, ts))
+        if self._fit is None:
+            self._fit = tuple(np.polyfit(ks, self._ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
+        return self.scale * (float(ts[-1]) + (k - ks[-1]) * max(self._fit[0], 0.0))
 
     def round_time(self, draft_len: int) -> float:
         return draft_len * self.t_draft + self.t_target(draft_len + 1) + self.overhead
@@ -111,6 +125,17 @@ def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
         return _median_time(step, repeats)
     finally:
         session.close()
+
+
+def isotonic(values: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in np.asarray(values, float):
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return np.concatenate([np.full(int(c), m) for m, c in blocks]) if blocks else np.zeros(0)
 
 
 def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(range(1, 17)),

@@ -36,6 +36,8 @@ from specd.policies import (
 )
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
+from specd.sampling import logits_to_probs
+from specd.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
 from specd.verify import Verdict, verify_window
 
@@ -46,6 +48,15 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+
+
+MAX_BRANCHES = 16
+MAX_TREE_NODES = 32  # chain and side branches together
+# Tokens one side node of a draft tree adds to a round, before a run has measured its own (a
+# teacher-forced replay on MT-bench greedy answers gave 0.03-0.05, docs/engine.md), and the
+# weight of each tree round in the run's moving average.
+TREE_GAIN_PRIOR = 0.05
+TREE_GAIN_SMOOTHING = 0.1
 
 
 class SpeculativeEngine:
@@ -120,6 +131,9 @@ class GenerationRun:
         self.target_kv = target.session()
         self.draft_session = self.drafter.open() if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
+        self.branches, self.branch_length = self._tree_shape()
+        self.tree_gain = TREE_GAIN_PRIOR
+        self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
@@ -149,6 +163,23 @@ class GenerationRun:
         state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
         return build_policy(spec.policy, overrides, state, resources), engine.drafter
 
+    def _tree_shape(self) -> tuple[int, int]:
+        """(side branches per round, new nodes per branch); (0, 0) verifies chains only."""
+        spec, drafter = self.spec, self.drafter
+        if spec.branches is not None and not 0 <= spec.branches <= MAX_BRANCHES:
+            raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {spec.branches}")
+        if drafter is None:
+            return 0, 0
+        branches = drafter.branches if spec.branches is None else spec.branches
+        if branches and not drafter.branches:
+            raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
+                                             "draft trees need a lookup drafter (ngram, retrieval)")
+        # The oracle's chain is right by construction; relaxed verification and the target's
+        # features are defined for chains.
+        if spec.policy == "oracle" or spec.relaxed or self.feed_features:
+            return 0, 0
+        return branches, drafter.branch_length
+
     # -- the loop ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
         while self.finish_reason is None:
@@ -161,6 +192,10 @@ class GenerationRun:
         committed = len(seq)
         drafts, qs, steps, dropped, hit_cap = self._draft(committed)
         k = len(drafts)
+        if self.branches and self.draft_session is not None:
+            tree = self._tree(committed, drafts)
+            if len(tree) > k:
+                return self._tree_round(committed, tree, steps, dropped, hit_cap)
 
         t0 = time.perf_counter()
         start = self.target_kv.length
@@ -198,12 +233,93 @@ class GenerationRun:
             stats.judged_entropies.extend(s.entropy for s in steps[:judged])
             stats.judged_accepted.extend(i < verdict.num_strict for i in range(judged))
         if k or dropped is not None:
-            dropped_accepted = None
-            if dropped is not None and verdict.num_strict == k:  # the target judged its position
-                dropped_accepted = verdict.next_token == dropped.token
-            self.policy.observe(RoundOutcome(k, verdict.num_strict, tuple(s.entropy for s in steps), hit_cap,
-                                             verdict.js_distances, tuple(steps), dropped, dropped_accepted))
+            self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
         return self._commit(drafts[:n] + [verdict.next_token])
+
+    def _observe(self, steps: list[DraftStep], num_strict: int, after: int, dropped: DraftStep | None,
+                 hit_cap: bool, js_distances: tuple[float, ...] = ()) -> None:
+        """Tell the policy how its chain fared; `after`: the target's token after the accepted ones."""
+        k = len(steps)
+        dropped_accepted = None
+        if dropped is not None and num_strict == k:  # the target judged its position
+            dropped_accepted = after == dropped.token
+        self.policy.observe(RoundOutcome(k, num_strict, tuple(s.entropy for s in steps), hit_cap,
+                                         js_distances, tuple(steps), dropped, dropped_accepted))
+
+    # -- draft trees (specd.tree) -----------------------------------------------------------
+    def _tree(self, committed: int, drafts: list[int]) -> DraftTree:
+        """The policy's chain plus the drafter's alternatives, grown breadth-first (every
+        branch's first token, then every second one, ...) up to the size `_tree_budget`
+        finds worth its cost. Branches are cut to what max_new_tokens leaves room for."""
+        tree = DraftTree.from_chain(drafts)
+        budget = self._tree_budget(len(drafts))
+        if not budget:
+            return tree
+        room = self.max_len - committed - 1  # a path of n nodes emits n + 1 tokens
+        chosen: list[list[int]] = []
+        for branch in self.draft_session.branches(self.seq[:committed], drafts, self.branch_length):
+            branch = branch[:min(room, self.branch_length)]
+            if branch and branch != drafts[:len(branch)] and branch not in chosen:
+                chosen.append(branch)
+                if len(chosen) == self.branches:
+                    break
+        for depth in range(1, self.branch_length + 1):
+            for branch in chosen:
+                if budget and len(branch) >= depth:
+                    budget -= tree.add(branch[:depth], budget)
+        return tree
+
+    def _tree_budget(self, k: int) -> int:
+        """Side nodes to add to a k-token chain: the count s that maximises the expected rate
+        (m + g * s) / t(k + 1 + s), with m this run's mean tokens per round, g the tokens a
+        side node has added so far (learnt from this run's tree rounds) and t the target's
+        monotone cost curve. Where the curve is flat (a CPU up to about 8 tokens, a GPU much
+        further) every node is worth adding; where it is steep only a high g pays."""
+        costs = self.costs if self.costs is not None else self.engine.costs
+        m = self.stats.mean_accepted_tokens or 1.0
+        best, best_rate = 0, m / costs.t_monotone(k + 1)
+        for s in range(1, MAX_TREE_NODES - k + 1):
+            rate = (m + self.tree_gain * s) / costs.t_monotone(k + 1 + s)
+            if rate > best_rate:
+                best, best_rate = s, rate
+        return best
+
+    def _tree_round(self, committed: int, tree: DraftTree, steps: list[DraftStep], dropped: DraftStep | None,
+                    hit_cap: bool) -> list[int]:
+        seq, stats = self.seq, self.stats
+        k = tree.main
+        del seq[committed:]  # the chain's drafts leave the committed sequence until verified
+        t0 = time.perf_counter()
+        start = self.target_kv.length
+        logits = self.target_kv.extend_tree(seq[start:], tree, self.target_dtype)
+        if self.sampling.greedy:
+            verdict = verify_tree_greedy(logits, tree)
+        else:
+            verdict = verify_tree_sampling(logits_to_probs(logits, self.sampling), tree, self.generator)
+        path = verdict.path
+        n, n_main = len(path), tree.main_prefix(verdict.path)
+        self.target_kv.keep_path(committed, path)
+        self.draft_session.rollback(committed + n_main)  # the session's own chain is valid this far
+        verify_s = time.perf_counter() - t0
+        stats.verify_time_s += verify_s
+        if self.costs is not None and start == committed - 1:  # not the prefill round
+            self.costs.observe_target(len(tree) + 1, verify_s)
+        side = len(tree) - k
+        self.tree_gain += TREE_GAIN_SMOOTHING * ((n - n_main) / side - self.tree_gain)
+        stats.verifications += 1
+        stats.tree_rounds += 1
+        stats.branch_accepted += n > n_main
+        stats.drafted += len(tree)
+        stats.accepted += n
+        stats.draft_lengths.append(len(tree))
+        stats.accepted_lengths.append(n)
+        judged = min(n_main + 1, k)  # the chain's tokens, as in a chain round
+        stats.judged_entropies.extend(s.entropy for s in steps[:judged])
+        stats.judged_accepted.extend(i < n_main for i in range(judged))
+        tokens = [tree.tokens[i] for i in path] + [verdict.next_token]
+        if k or dropped is not None:
+            self._observe(steps, n_main, tokens[n_main], dropped, hit_cap)
+        return self._commit(tokens)
 
     def _draft(self, committed: int) -> tuple[list[int], list, list[DraftStep], DraftStep | None, bool]:
         """Draft one window: (tokens, their q, the policy's steps, a dropped step, hit the cap)."""

@@ -28,6 +28,8 @@ class GenerationStats:
     judged_entropies: list[float] = field(default_factory=list)
     judged_accepted: list[bool] = field(default_factory=list)
     lossy: bool = False  # output may differ from the target alone (relaxed verification)
+    tree_rounds: int = 0  # rounds verified as a draft tree (chain plus side branches)
+    branch_accepted: int = 0  # of those, rounds whose accepted path left the policy's chain
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -56,6 +58,8 @@ class GenerationStats:
             "discarded": self.drafted - self.accepted,
             "relaxed_accepted": self.relaxed_accepted,
             "verifications": self.verifications,
+            "tree_rounds": self.tree_rounds,
+            "branch_accepted": self.branch_accepted,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "draft_lengths": list(self.draft_lengths),

@@ -57,7 +57,9 @@ class SpecParams:
 
     policy_params override the policy's defaults by name (e.g. {"h": 0.4} for svip);
     max_draft_tokens, when set, replaces the policy's own cap. relaxed turns on AdaSD's lossy
-    JS-distance verification (adasd only). task_tag keys the shared adaptive state.
+    JS-distance verification (adasd only). task_tag keys the shared adaptive state. branches:
+    side branches verified beside the policy's chain as a draft tree (specd.tree; lookup
+    drafters only; None: the drafter's default, 0: chains only).
     """
 
     policy: str = "constant"
@@ -65,6 +67,7 @@ class SpecParams:
     policy_params: dict = field(default_factory=dict)
     task_tag: str = "default"
     relaxed: bool = False
+    branches: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class BenchSettings:
     draft_adapter: Path | None = None  # trained early-exit adapter
     linear_kernels: str = "auto"  # specd/models/kernels.py
     datastore: Path | None = None  # retrieval's; None: the bundled one
+    chains: bool = False  # also run lookup drafters with chains only (no draft trees)
 
     @property
     def greedy(self) -> bool:
@@ -76,10 +77,11 @@ class Config:
     policy: str = NO_SPECULATION
     policy_params: dict = field(default_factory=dict)
     skip: str | None = None  # why it was not run
+    branches: int | None = None  # draft-tree side branches (None: the drafter's default)
 
     def to_dict(self) -> dict:
         return {"label": self.label, "kind": self.kind, "drafter": self.drafter, "policy": self.policy,
-                "policy_params": dict(self.policy_params), "skipped": self.skip}
+                "policy_params": dict(self.policy_params), "branches": self.branches, "skipped": self.skip}
 
 
 def default_policies() -> tuple[str, ...]:
@@ -92,7 +94,10 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
     for d in s.drafters:
         for p in s.policies or default_policies():
             if p != NO_SPECULATION:
-                configs.append(Config(f"{d}/{p}", "engine", d, p, skip=_policy_skip(s, d, p, has_head)))
+                skip = _policy_skip(s, d, p, has_head)
+                configs.append(Config(f"{d}/{p}", "engine", d, p, skip=skip))
+                if s.chains and d in MODEL_FREE and p != "oracle":
+                    configs.append(Config(f"{d}/{p}/chain", "engine", d, p, skip=skip, branches=0))
         if d in MODEL_FREE and (s.policies is None or "oracle" not in s.policies):
             reason = None if s.greedy else "the oracle is defined for greedy decoding only"
             configs.append(Config(f"{d}/oracle", "engine", d, "oracle", skip=reason))

@@ -82,7 +82,7 @@ class BenchRun:
         if c.kind == "peer":
             ids, wall = self.peers.generate(c.label, prompt, self.sampling)
             return peer_record(ids, wall, reference if self.s.greedy else None), ids
-        spec = SpecParams(c.policy, None, dict(c.policy_params), task_tag="bench")
+        spec = SpecParams(c.policy, None, dict(c.policy_params), task_tag="bench", branches=c.branches)
         ref = reference if c.policy == "oracle" else None
         out = self.engines[c.drafter].generate(prompt, self.sampling, spec, ref)
         check = reference if (self.s.greedy and c.label != BASELINE) else None
@@ -96,7 +96,9 @@ class BenchRun:
         for drafter in self.m.drafters.values():
             SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
         for c in self.configs:  # the start-up cost-curve measurement, before any timed run
-            if not c.skip and c.policy != NO_SPECULATION and policy_class(c.policy).needs_costs:
+            # (draft trees size themselves on the curve, whatever the policy)
+            if not c.skip and c.policy != NO_SPECULATION and (policy_class(c.policy).needs_costs
+                                                              or self.m.drafters[c.drafter].branches):
                 _ = self.engines[c.drafter].costs
 
     def run_all(self, progress: bool = True) -> None:

@@ -45,6 +45,12 @@ class DraftSession(ABC):
     def rollback(self, length: int) -> None:
         """Only seq[:length] is still valid."""
 
+    def branches(self, seq: list[int], chain: list[int], length: int) -> list[list[int]]:
+        """Alternative continuations of seq (the committed tokens), best first, up to `length`
+        tokens each, for a draft tree beside `chain`, the window just drafted (only for
+        drafters whose `branches` is non-zero)."""
+        return []
+
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
         """The target's last hidden states [n, H] at positions start..start+n-1 of the verified
         sequence (only for drafters with needs_target_features)."""
@@ -65,6 +71,10 @@ class Drafter(ABC):
     # DVI: the drafter's head takes a LoRA trained online (set_lora, specd.dvi); its draft
     # tokens' hidden states are the head's input.
     learns_online: ClassVar[bool] = False
+    # Draft trees (specd.tree): side branches per round by default, new tokens per branch;
+    # 0 for drafters whose sessions offer no alternatives.
+    branches: ClassVar[int] = 0
+    branch_length: ClassVar[int] = 0
 
     @property
     @abstractmethod

@@ -140,6 +140,20 @@ class Datastore:
             ends = ends[column == token]
         return out
 
+    def alternatives(self, ends: np.ndarray, count: int, max_len: int) -> list[list[int]]:
+        """Up to `count` continuations after the occurrences ending at `ends`, one per next
+        token, most frequent first, each followed by its own majority path (a draft tree's
+        branches)."""
+        if ends.size > MAX_VOTERS:
+            ends = ends[:: -(-ends.size // MAX_VOTERS)]
+        column = self.data[ends + 1]
+        values, counts = np.unique(column[column >= 0], return_counts=True)
+        out = []
+        for i in np.argsort(-counts, kind="stable")[:count]:
+            token = int(values[i])
+            out.append([token] + self.continuation(ends[column == token] + 1, max_len - 1))
+        return out
+
     def lookup(self, context: np.ndarray, max_len: int) -> tuple[list[int], int]:
         """(proposed continuation, match length) for the text so far."""
         ends, length = self.match(context)

@@ -22,16 +22,18 @@ import numpy as np
 from specd.drafters.base import Drafter, DraftSession, DraftToken
 from specd.drafters.datastore import Datastore
 
+MAX_ALTERNATIVES = 8  # datastore candidates offered per round (the engine keeps fewer)
 
-def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
-    """(start of the continuation, match length) of the longest suffix of seq that also ends
-    earlier in seq, capped at max_ngram tokens, the most recent one among equals; (-1, 0) if none."""
+
+def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
+    """(every earlier position where the longest suffix of seq also ends, in order; its length),
+    capped at max_ngram tokens; (empty, 0) if not even the last token occurred before."""
     n = len(seq)
     if n < 2:
-        return -1, 0
+        return np.zeros(0, np.int64), 0
     alive = np.flatnonzero(seq[:-1] == seq[-1])  # earlier ends of a 1-token match
     if alive.size == 0:
-        return -1, 0
+        return alive, 0
     length, best = 1, alive
     while length < max_ngram:
         alive = alive[alive >= length]  # room to extend the match one token further back
@@ -39,7 +41,14 @@ def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
         if alive.size == 0:
             break
         length, best = length + 1, alive
-    return int(best[-1]) + 1, length
+    return best, length
+
+
+def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
+    """(start of the continuation, match length) of the longest suffix of seq that also ends
+    earlier in seq, capped at max_ngram tokens, the most recent one among equals; (-1, 0) if none."""
+    ends, length = suffix_matches(seq, max_ngram)
+    return (int(ends[-1]) + 1, length) if length else (-1, 0)
 
 
 class NgramSession(DraftSession):
@@ -77,6 +86,25 @@ class NgramSession(DraftSession):
                     self.proposal, length, self.retrieved = found, found_len, True
         self.cursor, self.match_len, self.next_len = 0, length, len(seq)
 
+    def branches(self, seq, chain, length):
+        """The continuations after every earlier occurrence of the longest match in this
+        request's text (most recent first, one per next token), then the datastore's
+        alternatives; the engine merges them with `chain` and keeps the first few that differ."""
+        arr = np.asarray(seq, dtype=np.int64)
+        out, firsts = [], set()
+        ends, own_len = suffix_matches(arr, self.max_ngram)
+        if own_len >= self.min_ngram:
+            for e in ends[::-1].tolist():
+                token = int(arr[e + 1])
+                if token not in firsts:
+                    firsts.add(token)
+                    out.append(arr[e + 1:e + 1 + length].tolist())
+        if self.datastore is not None:
+            found, found_len = self.datastore.match(arr[-self.max_ngram:])
+            if found_len >= self.min_ngram:  # after the request's most recent repeat
+                out[1:1] = self.datastore.alternatives(found, MAX_ALTERNATIVES, length)
+        return out
+
     def rollback(self, length: int) -> None:
         if length < self.next_len:
             self.proposal, self.cursor, self.next_len = [], 0, -1
@@ -86,6 +114,8 @@ class NgramDrafter(Drafter):
     kind = "ngram"
     has_distribution = False
     datastore: Datastore | None = None
+    branches = 3  # side branches of a draft tree (specd.tree), measured in docs/engine.md
+    branch_length = 4
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, lookahead: int = 64):
         if not 1 <= min_ngram <= max_ngram:

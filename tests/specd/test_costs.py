@@ -35,3 +35,13 @@ def test_start_up_measurement_is_cached_per_pair_and_machine(tiny_target, tmp_pa
     path.write_text("{not json")  # a damaged entry is measured anew, not an error
     monkeypatch.undo()
     assert cached_cost_curve(tiny_target, drafter, tmp_path).ks == list(range(1, 18))
+
+
+def test_the_monotone_curve_irons_out_noisy_medians():
+    assert costs.isotonic([5.0, 4.0, 6.0, 9.0, 7.0]).tolist() == [4.5, 4.5, 6.0, 8.0, 8.0]
+    curve = CostCurve(0.001, [1, 2, 3, 4], [0.050, 0.060, 0.048, 0.070])
+    assert curve.t_monotone(2) == pytest.approx(0.054)  # (0.060 + 0.048) / 2: never below t(1)
+    assert curve.t_monotone(3) == curve.t_monotone(2)
+    assert curve.t_monotone(6) > curve.t_monotone(4)  # extrapolated with the fitted slope
+    curve.scale = 2.0
+    assert curve.t_monotone(1) == pytest.approx(0.100)

@@ -160,3 +160,30 @@ def test_retrieval_point_mass_drafts_sample_the_target(pair):
     assert paths[0] > 50 and paths[1] + paths[2] > 50
     assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
     assert pooled_chisquare(second, joint, RUNS) > 1e-3
+
+
+def test_draft_trees_sample_the_target(pair):
+    """Several point-mass candidates after the prompt, verified as a tree: the first two tokens
+    still follow the target's joint distribution, and paths through side branches occur."""
+    from specd.costs import CostCurve
+    from specd.drafters import Datastore, RetrievalDrafter
+
+    target, _ = pair
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    joint = exact_two_token(target.model, params)
+    order = np.argsort(-joint.sum(1))
+    docs = [PROMPT + [int(a), int(joint[a].argmax())] for a in order[:4] for _ in range(4 - list(order).index(a))]
+    flat = CostCurve(0.0, list(range(1, 18)), [0.01] * 17)
+    engine = SpeculativeEngine(target, RetrievalDrafter(Datastore.from_documents(docs)), costs=flat)
+    first, second = Counter(), Counter()
+    branch_paths = 0
+    for seed in range(RUNS):
+        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2),
+                              SpecParams("constant", policy_params={"k": 2}, branches=3))
+        t0, t1 = out.token_ids
+        first[t0] += 1
+        second[t0 * V + t1] += 1
+        branch_paths += out.stats.branch_accepted
+    assert branch_paths > 50
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3

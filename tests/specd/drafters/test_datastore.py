@@ -116,3 +116,24 @@ def test_build_drafter_finds_the_bundled_datastore_or_names_the_field(tiny_targe
     bundled = bundled_datastore_path("smollm2-135m-instruct")
     assert bundled is not None and bundled.stat().st_size < 8 << 20  # shipped in the package, small
     assert build_drafter("retrieval", None, target_name="smollm2-135m-instruct").datastore.tokens > 100_000
+
+
+def test_alternatives_give_each_next_token_its_own_majority_path():
+    docs = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 7, 8], [9, 2, 6]]
+    store = Datastore.from_documents(docs)
+    ends, length = store.match(np.array([1, 2]))
+    assert length == 2
+    assert store.alternatives(ends, 4, 8) == [[3, 4], [7, 8]]  # most frequent first
+    assert store.alternatives(ends, 1, 1) == [[3]]
+
+
+def test_session_branches_offer_own_repeats_then_the_datastore():
+    store = Datastore.from_documents([[4, 5, 60, 61], [4, 5, 70, 71], [4, 5, 70, 72]])
+    session = RetrievalDrafter(store).open()
+    # the request said "3 4 5" twice before, followed by 8 and by 9 (most recent first)
+    seq = [3, 4, 5, 8, 3, 4, 5, 9, 3, 4, 5]
+    got = session.branches(seq, [9], 3)
+    assert got[0] == [9, 3, 4]  # the most recent repeat
+    assert got[1:3] == [[70, 71], [60, 61]]  # then the datastore, most frequent first (a tie: the lower id)
+    assert got[3] == [8, 3, 4]  # then older repeats
+    assert all(len(b) <= 3 for b in got)
