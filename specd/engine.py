@@ -34,9 +34,9 @@ from specd.policies import (
     build_policy,
     policy_class,
 )
+from specd.sampling import logits_to_probs
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
-from specd.sampling import logits_to_probs
 from specd.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
 from specd.verify import Verdict, verify_window
