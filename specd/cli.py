@@ -87,8 +87,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")
     g.add_argument("--relaxed", action="store_true", help="AdaSD relaxed verification (LOSSY, adasd only)")
     g.add_argument("--branches", type=int,
-                   help="side branches verified beside the drafted chain as a draft tree (lookup drafters; "
-                        "default: the drafter's, 3 for ngram and retrieval; 0 = chains only)")
+                   help="side branches verified beside the drafted chain as a draft tree (ngram, retrieval; "
+                        "default 0: chains only; trees were slower on the 2-core CPU, docs/engine.md)")
     g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
                                                        "head for the embedded early-exit-4 pair)")
     g.add_argument("--task-tag", default="default", help="key of the shared adaptive policy state")
@@ -176,9 +176,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--baselines", default="ar,hf-prompt-lookup",
                    help="comma list of ar, hf-assisted, hf-heuristic, hf-prompt-lookup (ar always runs)")
     b.add_argument("--sweep-k", action="store_true", help="also run constant K = 1..8 (expensive)")
-    b.add_argument("--chains", action="store_true",
-                   help="also run every lookup-drafter configuration with chains only (DRAFTER/POLICY/chain), "
-                        "to measure what its draft trees add")
+    b.add_argument("--trees", action="store_true",
+                   help="also run every lookup-drafter configuration with draft trees (DRAFTER/POLICY/tree, "
+                        "3 side branches)")
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
@@ -279,8 +279,14 @@ def cmd_generate(args) -> int:
               f"policy {stats['policy']}, drafter {stats['drafter']} | drafted {stats['drafted']}, "
               f"accepted {stats['accepted']} ({stats['acceptance_rate']:.0%}), "
               f"{stats['verifications']} verifications, {stats['mean_accepted_tokens']:.2f} tokens/verification"
-              f"{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
+              f"{_tree_note(stats)}{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
     return 0
+
+
+def _tree_note(stats: dict) -> str:
+    if not stats["tree_rounds"]:
+        return ""
+    return f" | {stats['tree_rounds']} draft trees, {stats['branch_accepted']} took a side branch"
 
 
 def _cache_dir(args) -> Path:
@@ -409,7 +415,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.chains)
+        args.trees)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

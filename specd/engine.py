@@ -51,6 +51,8 @@ class Generation:
 
 
 MAX_BRANCHES = 16
+TREE_BRANCHES = 3  # what `specd bench --trees` runs
+TREE_MAX_FED = 64  # committed tokens fed with a tree (a longer prefill verifies a chain)
 MAX_TREE_NODES = 32  # chain and side branches together
 # Tokens one side node of a draft tree adds to a round, before a run has measured its own (a
 # teacher-forced replay on MT-bench greedy answers gave 0.03-0.05, docs/engine.md), and the
@@ -171,7 +173,7 @@ class GenerationRun:
         if drafter is None:
             return 0, 0
         branches = drafter.branches if spec.branches is None else spec.branches
-        if branches and not drafter.branches:
+        if branches and not drafter.branch_length:
             raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
                                              "draft trees need a lookup drafter (ngram, retrieval)")
         # The oracle's chain is right by construction; relaxed verification and the target's
@@ -192,8 +194,11 @@ class GenerationRun:
         committed = len(seq)
         drafts, qs, steps, dropped, hit_cap = self._draft(committed)
         k = len(drafts)
-        if self.branches and self.draft_session is not None:
+        # Not with a long prefill: a long prompt's forward keeps its plain causal mask.
+        if self.branches and self.draft_session is not None and committed - self.target_kv.length <= TREE_MAX_FED:
+            t0 = time.perf_counter()
             tree = self._tree(committed, drafts)
+            stats.draft_time_s += time.perf_counter() - t0  # the alternatives' lookups are drafting
             if len(tree) > k:
                 return self._tree_round(committed, tree, steps, dropped, hit_cap)
 

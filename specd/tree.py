@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specd.sampling import sample
@@ -89,12 +90,15 @@ def tree_mask(tree: DraftTree, cached: int, pending: int, dtype: torch.dtype,
     `pending` committed tokens then the tree's nodes, after `cached` cached tokens."""
     n = len(tree)
     q = pending + n
+    ancestors = np.zeros((n, n), dtype=bool)  # row i: node i and its ancestors
+    for i, parent in enumerate(tree.parents):  # a parent always comes before its children
+        if parent >= 0:
+            ancestors[i] = ancestors[parent]
+        ancestors[i, i] = True
     allowed = torch.zeros(q, cached + q, dtype=torch.bool)
     allowed[:, :cached + pending] = True
     allowed[:pending, cached:cached + pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
-    for i in range(n):
-        for j in tree.path_to(i):
-            allowed[pending + i, cached + pending + j] = True
+    allowed[pending:, cached + pending:] = torch.from_numpy(ancestors)
     mask = torch.zeros(q, cached + q, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     committed = cached + pending

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specd.bench.peers import BASELINES, PEERS
 from specd.drafters import DRAFTERS, MODEL_FREE
+from specd.engine import TREE_BRANCHES
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, POLICIES, policy_class
 
@@ -43,7 +44,7 @@ class BenchSettings:
     draft_adapter: Path | None = None  # trained early-exit adapter
     linear_kernels: str = "auto"  # specd/models/kernels.py
     datastore: Path | None = None  # retrieval's; None: the bundled one
-    chains: bool = False  # also run lookup drafters with chains only (no draft trees)
+    trees: bool = False  # also run lookup drafters with draft trees (specd.tree)
 
     @property
     def greedy(self) -> bool:
@@ -96,8 +97,8 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
             if p != NO_SPECULATION:
                 skip = _policy_skip(s, d, p, has_head)
                 configs.append(Config(f"{d}/{p}", "engine", d, p, skip=skip))
-                if s.chains and d in MODEL_FREE and p != "oracle":
-                    configs.append(Config(f"{d}/{p}/chain", "engine", d, p, skip=skip, branches=0))
+                if s.trees and d in MODEL_FREE and p != "oracle":
+                    configs.append(Config(f"{d}/{p}/tree", "engine", d, p, skip=skip, branches=TREE_BRANCHES))
         if d in MODEL_FREE and (s.policies is None or "oracle" not in s.policies):
             reason = None if s.greedy else "the oracle is defined for greedy decoding only"
             configs.append(Config(f"{d}/oracle", "engine", d, "oracle", skip=reason))

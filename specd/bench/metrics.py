@@ -47,6 +47,8 @@ def run_record(stats: GenerationStats, token_ids: Sequence[int], baseline_ids: S
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "verifications": stats.verifications,
+        "tree_rounds": stats.tree_rounds,
+        "branch_accepted": stats.branch_accepted,
         "mean_accepted_tokens": stats.mean_accepted_tokens,
         "acceptance_rate": stats.acceptance_rate,
         "verification_rate": _ratio(stats.verifications, n),

@@ -71,8 +71,8 @@ class Drafter(ABC):
     # DVI: the drafter's head takes a LoRA trained online (set_lora, specd.dvi); its draft
     # tokens' hidden states are the head's input.
     learns_online: ClassVar[bool] = False
-    # Draft trees (specd.tree): side branches per round by default, new tokens per branch;
-    # 0 for drafters whose sessions offer no alternatives.
+    # Draft trees (specd.tree): side branches per round by default, and new tokens per branch
+    # (0 for drafters whose sessions offer no alternatives: no trees at all).
     branches: ClassVar[int] = 0
     branch_length: ClassVar[int] = 0
 
