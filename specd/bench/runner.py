@@ -97,8 +97,8 @@ class BenchRun:
             SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
         for c in self.configs:  # the start-up cost-curve measurement, before any timed run
             # (draft trees size themselves on the curve, whatever the policy)
-            if not c.skip and c.policy != NO_SPECULATION and (policy_class(c.policy).needs_costs
-                                                              or self.m.drafters[c.drafter].branches):
+            trees = c.branches if c.branches is not None else c.drafter and self.m.drafters[c.drafter].branches
+            if not c.skip and c.policy != NO_SPECULATION and (policy_class(c.policy).needs_costs or trees):
                 _ = self.engines[c.drafter].costs
 
     def run_all(self, progress: bool = True) -> None:

@@ -47,8 +47,8 @@ class DraftSession(ABC):
 
     def branches(self, seq: list[int], chain: list[int], length: int) -> list[list[int]]:
         """Alternative continuations of seq (the committed tokens), best first, up to `length`
-        tokens each, for a draft tree beside `chain`, the window just drafted (only for
-        drafters whose `branches` is non-zero)."""
+        tokens each, for a draft tree beside `chain`, the window just drafted (only asked of
+        drafters whose `branch_length` is non-zero)."""
         return []
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
