@@ -227,19 +227,26 @@ class GenerationRun:
         if self.costs is not None and fed == k + 1:  # not the prefill round
             self.costs.observe_target(fed, verify_s)
 
-        stats.verifications += 1
-        if k:
-            stats.drafted += k
-            stats.accepted += n
-            stats.relaxed_accepted += verdict.num_relaxed
-            stats.draft_lengths.append(k)
-            stats.accepted_lengths.append(n)
-            judged = min(verdict.num_strict + 1, k)
-            stats.judged_entropies.extend(s.entropy for s in steps[:judged])
-            stats.judged_accepted.extend(i < verdict.num_strict for i in range(judged))
+        self._count(k, n, steps, verdict.num_strict, verdict.num_relaxed)
         if k or dropped is not None:
             self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
         return self._commit(drafts[:n] + [verdict.next_token])
+
+    def _count(self, drafted: int, accepted: int, steps: list[DraftStep], num_strict: int, relaxed: int = 0) -> None:
+        """One verification's statistics: tokens drafted (a tree's every node) and accepted, and
+        the policy chain's tokens that verification judged (up to its first rejection)."""
+        stats = self.stats
+        stats.verifications += 1
+        if not drafted:
+            return
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.relaxed_accepted += relaxed
+        stats.draft_lengths.append(drafted)
+        stats.accepted_lengths.append(accepted)
+        judged = min(num_strict + 1, len(steps))
+        stats.judged_entropies.extend(s.entropy for s in steps[:judged])
+        stats.judged_accepted.extend(i < num_strict for i in range(judged))
 
     def _observe(self, steps: list[DraftStep], num_strict: int, after: int, dropped: DraftStep | None,
                  hit_cap: bool, js_distances: tuple[float, ...] = ()) -> None:
@@ -311,16 +318,9 @@ class GenerationRun:
             self.costs.observe_target(len(tree) + 1, verify_s)
         side = len(tree) - k
         self.tree_gain += TREE_GAIN_SMOOTHING * ((n - n_main) / side - self.tree_gain)
-        stats.verifications += 1
+        self._count(len(tree), n, steps, n_main)
         stats.tree_rounds += 1
         stats.branch_accepted += n > n_main
-        stats.drafted += len(tree)
-        stats.accepted += n
-        stats.draft_lengths.append(len(tree))
-        stats.accepted_lengths.append(n)
-        judged = min(n_main + 1, k)  # the chain's tokens, as in a chain round
-        stats.judged_entropies.extend(s.entropy for s in steps[:judged])
-        stats.judged_accepted.extend(i < n_main for i in range(judged))
         tokens = [tree.tokens[i] for i in path] + [verdict.next_token]
         if k or dropped is not None:
             self._observe(steps, n_main, tokens[n_main], dropped, hit_cap)
