@@ -285,7 +285,7 @@ class GenerationRun:
         """Side nodes to add to a k-token chain: the count s that maximises the expected rate
         (m + g * s) / t(k + 1 + s), with m this run's mean tokens per round, g the tokens a
         side node has added so far (learnt from this run's tree rounds) and t the target's
-        monotone cost curve. Where the curve is flat (a CPU up to about 8 tokens, a GPU much
+        monotone cost curve. Where the curve is flat (a CPU up to about 7 tokens, a GPU much
         further) every node is worth adding; where it is steep only a high g pays."""
         costs = self.costs if self.costs is not None else self.engine.costs
         m = self.stats.mean_accepted_tokens or 1.0

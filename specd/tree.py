@@ -2,10 +2,10 @@
 2024; the candidate trie of REST, He et al. 2024).
 
 A lookup drafter often has more than one plausible continuation: the request's own earlier
-text says one thing, the datastore's matched occurrences disagree about the next token. On
-hardware where a target forward over 20 tokens costs little more than one over 8 (a CPU at
-this model size is bound by reading the weights; a GPU more so), verifying the
-alternatives beside the policy's chain raises the tokens kept per forward.
+text says one thing, the datastore's matched occurrences disagree about the next token. Where
+a target forward over many tokens costs little more than one over a few (a GPU; on the 2-core
+CPU only up to about 7 tokens, docs/engine.md), verifying the alternatives beside the
+policy's chain raises the tokens kept per forward.
 
 The tree holds the policy's chain first (nodes 0..main-1, each the child of the one before),
 then side branches merged into it as a trie: a branch that starts like an existing path
