@@ -36,6 +36,11 @@ BUNDLED_DATASTORES = {"smollm2-135m-instruct": DATA / "smollm2-datastore.safeten
 MAX_VOTERS = 4096  # majorities over more occurrences than this are taken on an even subsample
 
 
+def voters(ends: np.ndarray) -> np.ndarray:
+    """The occurrences a majority is taken over: all of them, or an even subsample of MAX_VOTERS."""
+    return ends[:: -(-ends.size // MAX_VOTERS)] if ends.size > MAX_VOTERS else ends
+
+
 def bundled_datastore_path(target_name: str) -> Path | None:
     path = BUNDLED_DATASTORES.get(target_name)
     return path if path is not None and path.is_file() else None
@@ -123,8 +128,7 @@ class Datastore:
         """The majority path after the occurrences ending at `ends`: the most frequent next
         token, then among the occurrences that agreed the most frequent one after it, while
         more than half agree (the first token needs only to be the most frequent)."""
-        if ends.size > MAX_VOTERS:
-            ends = ends[:: -(-ends.size // MAX_VOTERS)]
+        ends = voters(ends)
         out: list[int] = []
         for j in range(1, min(max_len, TAIL) + 1):
             column = self.data[ends + j]
@@ -144,8 +148,7 @@ class Datastore:
         """Up to `count` continuations after the occurrences ending at `ends`, one per next
         token, most frequent first, each followed by its own majority path (a draft tree's
         branches)."""
-        if ends.size > MAX_VOTERS:
-            ends = ends[:: -(-ends.size // MAX_VOTERS)]
+        ends = voters(ends)
         column = self.data[ends + 1]
         values, counts = np.unique(column[column >= 0], return_counts=True)
         out = []
