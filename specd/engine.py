@@ -34,7 +34,7 @@ from specd.policies import (
     build_policy,
     policy_class,
 )
-from specd.sampling import logits_to_probs
+from specd.sampling import logits_to_probs, race_scores
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
 from specd.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
@@ -125,11 +125,10 @@ class GenerationRun:
         self.seq = prompt  # committed tokens; drafts are appended during a round
         self.prompt_len = len(prompt)
         self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
-        self.generator = None
-        if not sampling.greedy:
+        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
+        if not sampling.greedy and not sampling.coupled:
             self.generator = torch.Generator(device=target.device)
-            self.generator.manual_seed(sampling.seed if sampling.seed is not None
-                                       else int(torch.randint(0, 2**62, (1,))))
+            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.target_kv = target.session()
         self.draft_session = self.drafter.open() if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
@@ -210,7 +209,7 @@ class GenerationRun:
         logits, hidden = self.target_kv.extend(seq[start:], rows, self.feed_features)
         logits = logits[-(k + 1):]  # [k+1, V]
         del seq[committed:]  # drafts leave the committed sequence until verified
-        verdict = self._verify(logits, drafts, qs)
+        verdict = self._verify(logits, drafts, qs, committed)
         n = verdict.num_accepted
         if self.replay is not None and k:
             self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
@@ -304,10 +303,15 @@ class GenerationRun:
         t0 = time.perf_counter()
         start = self.target_kv.length
         logits = self.target_kv.extend_tree(seq[start:], tree, self.target_dtype)
-        if self.sampling.greedy:
+        sampling = self.sampling
+        if sampling.greedy:
             verdict = verify_tree_greedy(logits, tree)
+        elif sampling.coupled:  # the target's seeded draws at each row's position
+            p = logits_to_probs(logits, sampling)
+            verdict = verify_tree_greedy(race_scores(p, sampling.seed, [committed + o for o in tree.row_offsets()]),
+                                         tree)
         else:
-            verdict = verify_tree_sampling(logits_to_probs(logits, self.sampling), tree, self.generator)
+            verdict = verify_tree_sampling(logits_to_probs(logits, sampling), tree, self.generator)
         path = verdict.path
         n, n_main = len(path), tree.main_prefix(verdict.path)
         self.target_kv.keep_path(committed, path)
@@ -370,10 +374,11 @@ class GenerationRun:
             self.costs.observe_draft(draft_s / n)
         return drafts, qs, steps, dropped, hit_cap
 
-    def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list) -> Verdict:
+    def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list, committed: int) -> Verdict:
         q = torch.stack(qs) if qs and qs[0] is not None else None
         threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
-        return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed)
+        return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
+                             committed)
 
     def _commit(self, new: list[int]) -> list[int]:
         """Append verified tokens, honouring EOS, max_new_tokens and stop strings exactly."""

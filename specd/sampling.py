@@ -1,10 +1,28 @@
-"""Turning logits into the distribution tokens are drawn from (gpt-fast's logits_to_probs).
+"""Turning logits into the distribution tokens are drawn from (gpt-fast's logits_to_probs),
+and the seeded draws.
 
 The same function is applied to the target's p and the draft's q so that lossless
 verification compares like with like (Leviathan et al. 2023, Appendix A.5).
+
+Seeded sampling is coupled (Daliri et al. 2024, "Coupling without Communication and
+Drafter-Invariant Speculative Decoding"): the token at sequence position j is
+argmax_x p_j(x) / E_j(x), with E_j a vector of Exp(1) draws made from (seed, j) alone (the
+exponential race, the Gumbel-max trick in another form: the argmax is distributed exactly
+as p_j). A draft model draws its token at j from its own q_j with the same E_j, and
+verification accepts a draft token iff it is the target's race winner: greedy verification
+on the scores p / E. So a seeded request's output is exactly what the target alone samples
+with that seed, whatever the drafter, the policy, the window lengths, the overlap or the
+service split did, and the same seed always gives the same text. The price: a draft model's
+token matches less often than under rejection sampling (the coupling's P(match) is at least
+(1 - TV)/(1 + TV) instead of 1 - TV; docs/engine.md gives the measured cost). Point-mass
+drafts (ngram, retrieval) lose nothing: x wins the race with probability p_j(x) either way.
+Unseeded requests keep rejection sampling.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -51,3 +69,38 @@ def js_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return (a * (a.clamp_min(1e-30).log2() - m.clamp_min(1e-30).log2())).sum(-1)
 
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(0.0, 1.0).sqrt()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixer (Steele et al.'s SplitMix64 finaliser): nearby inputs, unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=256)
+def _race_row(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    # Drawn on the CPU so that every device, process and service gets the same numbers; a
+    # draft and its verification ask for the same rows, hence the cache (read-only rows).
+    generator = torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ position) >> 1)
+    return torch.rand(vocab_size, generator=generator).log_().neg_()
+
+
+def race_noise(seed: int, positions: Sequence[int], vocab_size: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """E [len(positions), V]: a seeded request's Exp(1) draws at those sequence positions."""
+    rows = [_race_row(seed, position, vocab_size) for position in positions]
+    return torch.stack(rows).to(device) if rows else torch.empty(0, vocab_size, device=device)
+
+
+def race_scores(probs: torch.Tensor, seed: int, positions: Sequence[int] | int) -> torch.Tensor:
+    """probs [n, V] at sequence positions (a list, or the first of n consecutive ones) -> p / E:
+    the token drawn at each position is the argmax (the exponential race), distributed exactly
+    as probs."""
+    if isinstance(positions, int):
+        positions = range(positions, positions + probs.shape[0])
+    return probs / race_noise(seed, positions, probs.shape[-1], probs.device)

@@ -68,6 +68,11 @@ class DraftTree:
             node = child
         return added
 
+    def row_offsets(self) -> list[int]:
+        """Per verification row (row 0 after the root, row i + 1 after node i): how far past
+        the committed text the token it predicts sits."""
+        return [0] + [d + 1 for d in self.depths]
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""
         path = []

@@ -35,6 +35,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def coupled(self) -> bool:
+        """Seeded sampling draws every token from the seed and its position alone
+        (specd.sampling.race_noise), so the output is the target alone's for that seed
+        whatever was drafted."""
+        return not self.greedy and self.seed is not None
+
     def validate(self, max_new_tokens_limit: int = 1 << 20) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
             raise InvalidRequest("temperature", f"must be in [0, 100], got {self.temperature}")

@@ -9,6 +9,9 @@ position) and the draft tokens x_1..x_k with their draft distributions q:
   min(1, p_i(x_i) / q_i(x_i)); on the first rejection sample the recovered token from
   norm(max(p_i - q_i, 0)); after a full accept sample the bonus token from p_{k+1}.
   The emitted tokens are then distributed exactly as p (the target alone);
+- seeded sampling (coupled, specd.sampling): greedy verification on the race scores
+  p_i / E_i, whose argmax at each position is the token the target alone draws there with
+  that seed;
 - AdaSD relaxed (lossy, opt-in): additionally accept a rejected x_i when the JS distance
   between p_i and q_i is below a threshold.
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.sampling import js_distance, logits_to_probs, sample
+from specd.sampling import js_distance, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams
 
 
@@ -78,17 +81,19 @@ def _sample_residual(p: torch.Tensor, q: torch.Tensor | None, x: int,
 
 
 def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, threshold: float | None,
-                   greedy: bool, generator: torch.Generator | None) -> Verdict:
+                   greedy: bool, generator: torch.Generator | None, scores: torch.Tensor | None = None) -> Verdict:
     """AdaSD: lossless rule first; a rejected x_i is still accepted when JS(p_i, q_i) < threshold.
 
     p and q are full distributions here (softmax of the logits at the sampling temperature,
     or at temperature 1 for greedy decoding, where the acceptance rule is argmax equality).
+    scores: seeded sampling's race scores [k+1, V], whose argmax is the target's token.
     """
     k = draft.numel()
     js = js_distance(p[:k], q)  # [k]
     idx = torch.arange(k, device=draft.device)
-    if greedy:
-        strict_ok = p[:k].argmax(-1) == draft
+    ranks = p if greedy else scores  # argmax rules: greedy decoding, or the seeded race
+    if ranks is not None:
+        strict_ok = ranks[:k].argmax(-1) == draft
     else:
         u = torch.rand(k, generator=generator, device=p.device)
         strict_ok = u * q[idx, draft] <= p[idx, draft]
@@ -96,10 +101,10 @@ def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, thresh
     ok = strict_ok | (js < threshold) if threshold is not None else strict_ok
     n = _first_false(ok)
     js_list = tuple(js.tolist())
-    if n == k:
-        nxt = int(p[k].argmax()) if greedy else int(sample(p[k], generator))
-    elif greedy:
-        nxt = int(p[n].argmax())
+    if ranks is not None:
+        nxt = int(ranks[n].argmax())
+    elif n == k:
+        nxt = int(sample(p[k], generator))
     else:
         nxt = _sample_residual(p[n], q[n], int(draft[n]), generator)
     num_relaxed = int((~strict_ok[:n]).sum())
@@ -108,20 +113,27 @@ def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, thresh
 
 def verify_window(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampling: SamplingParams,
                   generator: torch.Generator | None, relaxed_threshold: float | None = None,
-                  relaxed: bool = False) -> Verdict:
+                  relaxed: bool = False, position: int | None = None) -> Verdict:
     """One verification: target logits [k+1, V] after the committed tokens and x_1..x_k.
 
     q [k, V] is the stacked draft distribution (None: point mass, or greedy where it is not
-    read); relaxed turns on AdaSD's rule with relaxed_threshold (None: no relaxation yet).
+    read); relaxed turns on AdaSD's rule with relaxed_threshold (None: no relaxation yet);
+    position: the sequence index of the window's first token (x_1, or the token sampled when
+    there is no draft), which seeded sampling's draws are keyed by.
     """
+    if sampling.coupled and position is None:
+        raise ValueError("seeded sampling verifies at a sequence position; none was given")
     x = torch.tensor(draft, dtype=torch.long, device=logits.device)
     if relaxed and draft:
         # p and q as full distributions: at the sampling temperature, or T = 1 for greedy.
         p = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
-        return verify_relaxed(p, q, x, relaxed_threshold, sampling.greedy, generator)
+        scores = race_scores(p, sampling.seed, position) if sampling.coupled else None
+        return verify_relaxed(p, q, x, relaxed_threshold, sampling.greedy, generator, scores)
     if sampling.greedy:
         return verify_greedy(logits, x)
     p = logits_to_probs(logits, sampling)
+    if sampling.coupled:
+        return verify_greedy(race_scores(p, sampling.seed, position), x)
     if not draft:
         return Verdict(0, int(sample(p[0], generator)), 0)
     return verify_sampling(p, q, x, generator)

@@ -110,11 +110,10 @@ class DraftRunner:
         self.wake = asyncio.Event()
         self.num_drafted = 0
         self.draft_seconds = 0.0
-        self.generator = None
-        if not sampling.greedy:
+        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
+        if not sampling.greedy and not sampling.coupled:
             self.generator = torch.Generator()
-            self.generator.manual_seed(sampling.seed if sampling.seed is not None
-                                       else int(torch.randint(0, 2**62, (1,))))
+            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:

@@ -1,6 +1,6 @@
-"""One verification session on the target: the committed sequence, its KV cache and its
-random generator. After each verification the cache keeps the committed tokens plus the
-accepted drafts; the recovered or bonus token is fed with the next window (engine.py's
+"""One verification session on the target: the committed sequence, its KV cache and, for
+unseeded sampling, its random generator. After each verification the cache keeps the
+committed tokens plus the accepted drafts; the recovered or bonus token is fed with the next window (engine.py's
 invariant, DESIGN.md §3.1)."""
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ class TargetSession:
         self.kv = target.session()
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
-        self.generator = None
-        if not sampling.greedy:
-            # A stream of its own: the draft service seeds its generator with the same seed.
+        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
+        if not sampling.greedy and not sampling.coupled:
             self.generator = torch.Generator(device=target.device)
-            self.generator.manual_seed((sampling.seed + 1) % 2**63 if sampling.seed is not None
-                                       else int(torch.randint(0, 2**62, (1,))))
+            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
 
     def prefill(self) -> None:
         """Cache all but the last prompt token while the draft drafts its first window."""
@@ -49,7 +47,8 @@ class TargetSession:
                relaxed_threshold: float | None, relaxed: bool) -> Verdict:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
         committed = len(self.seq)
-        verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed)
+        verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
+                                committed)
         n = verdict.num_accepted
         self.kv.rollback(committed + n)
         self.seq += drafts[:n] + [verdict.next_token]

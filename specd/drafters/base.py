@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from specd.errors import ModelError
 from specd.models.session import KVSession
-from specd.sampling import entropy, logits_to_probs, sample
+from specd.sampling import entropy, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams
 
 
@@ -204,7 +204,7 @@ class ModelDraftSession(DraftSession):
     def next(self, seq, params, generator, want_hidden):
         logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
         return draft_token(fit_vocab(logits[0], self.vocab_size), params, generator,
-                           hidden[0] if hidden is not None else None)
+                           hidden[0] if hidden is not None else None, len(seq))
 
     def rollback(self, length: int) -> None:
         self.kv.rollback(length)
@@ -217,16 +217,20 @@ class ModelDraftSession(DraftSession):
 
 
 def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                hidden: torch.Tensor | None) -> DraftToken:
-    """The drafted token from logits [V]: for greedy decoding argmax, with q the temperature-1
-    softmax (what the policies' confidence features read); for sampling a draw from q, the
-    distribution after temperature/top-k/top-p."""
+                hidden: torch.Tensor | None, position: int) -> DraftToken:
+    """The drafted token at sequence index `position` from logits [V]: for greedy decoding
+    argmax, with q the temperature-1 softmax (what the policies' confidence features read);
+    for sampling a draw from q, the distribution after temperature/top-k/top-p (seeded: the
+    exponential race with the target's draws for that position, specd.sampling)."""
     if params.greedy:
         q = logits.softmax(-1)
         token = q.argmax()
     else:
         q = logits_to_probs(logits, params)
-        token = sample(q, generator)
+        if params.coupled:
+            token = race_scores(q[None], params.seed, position)[0].argmax()
+        else:
+            token = sample(q, generator)
     # One host sync for everything the policy reads.
     tok, prob, max_prob, h = torch.stack([token.float(), q[token], q.max(), entropy(q)]).tolist()
     return DraftToken(int(tok), q, prob, max_prob, h, hidden)

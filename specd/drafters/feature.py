@@ -157,7 +157,7 @@ class FeatureDraftSession(DraftSession):
             self._extend(self.outs[-1:], seq[self.length + 1:self.length + 2])
         out = self.outs[-1]
         logits = fit_vocab(self.d.vocab_logits(out).float(), self.vocab_size)
-        return draft_token(logits, params, generator, out if want_hidden else None)
+        return draft_token(logits, params, generator, out if want_hidden else None, len(seq))
 
     def _extend(self, feats: torch.Tensor, ids: list[int]) -> None:
         ids_t = torch.tensor([ids], dtype=torch.long, device=self.d.target.device)

@@ -1,15 +1,20 @@
 """Speculative sampling through the whole engine follows the target's distribution.
 
 On a tiny model with a 16-token vocabulary the exact target distribution of the first two
-generated tokens is computable; many seeded runs of the engine must match it (chi-square),
-at the first position and at the second (reached through accepted, recovered and bonus
-paths), with temperature and top-k applied. The negative control, the draft's own samples
-(what "always accept" would emit), must fail the same test.
+generated tokens is computable; many runs of the engine must match it (chi-square), at the
+first position and at the second (reached through accepted, recovered and bonus paths), with
+temperature and top-k applied. The negative control, the draft's own samples (what "always
+accept" would emit), must fail the same test.
+
+The speculative runs are unseeded (rejection sampling; torch's global seed makes them
+repeatable). Seeded requests are coupled: test_engine.py checks that their output is the
+target alone's for the same seed, and the target alone's seeded draws are tested here.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -58,6 +63,12 @@ def pooled_chisquare(counts: Counter, probs: np.ndarray, runs: int) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+def unseeded(engine: SpeculativeEngine, run: int, params: SamplingParams, spec: SpecParams):
+    """One rejection-sampling run (no request seed), repeatable through torch's global seed."""
+    torch.manual_seed(run)
+    return engine.generate(PROMPT, replace(params, seed=None), spec)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_new_tokens=2),
     SamplingParams(temperature=0.7, top_k=6, max_new_tokens=2),
@@ -69,9 +80,8 @@ def test_speculative_sampling_matches_the_target(pair, params):
     joint = exact_two_token(target.model, params)
     first, second = Counter(), Counter()
     paths = Counter()
-    for seed in range(RUNS):
-        sp = SamplingParams(params.temperature, params.top_k, params.top_p, seed, 2)
-        out = engine.generate(PROMPT, sp, SpecParams("constant", policy_params={"k": 2}))
+    for run in range(RUNS):
+        out = unseeded(engine, run, params, SpecParams("constant", policy_params={"k": 2}))
         t0, t1 = out.token_ids
         first[t0] += 1
         second[t0 * V + t1] += 1
@@ -82,17 +92,35 @@ def test_speculative_sampling_matches_the_target(pair, params):
     assert pooled_chisquare(second, joint, RUNS) > 1e-3
 
 
+def seeded_alone(model, params: SamplingParams) -> tuple[Counter, Counter]:
+    """The first two tokens of RUNS seeded target-alone runs of `model` (the exponential race)."""
+    engine = SpeculativeEngine(model)
+    first, second = Counter(), Counter()
+    for seed in range(RUNS):
+        t0, t1 = engine.generate(PROMPT, replace(params, seed=seed), SpecParams("none")).token_ids
+        first[t0] += 1
+        second[t0 * V + t1] += 1
+    return first, second
+
+
+def test_seeded_target_alone_samples_the_target(pair):
+    """Seeded draws (one seed per run) follow the target's distribution: with the test that
+    seeded speculative output equals the target alone's (test_engine.py), seeded speculative
+    sampling is lossless."""
+    target, _ = pair
+    params = SamplingParams(temperature=0.7, top_k=6, max_new_tokens=2)
+    joint = exact_two_token(target.model, params)
+    first, second = seeded_alone(target, params)
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3
+
+
 def test_negative_control_draft_samples_fail(pair):
     """Emitting the draft's samples unverified (always accept) must be caught by the same test."""
     target, draft = pair
     params = SamplingParams(temperature=1.0, max_new_tokens=2)
     joint = exact_two_token(target.model, params)
-    first, second = Counter(), Counter()
-    for seed in range(RUNS):
-        out = SpeculativeEngine(draft).generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2), SpecParams("none"))
-        t0, t1 = out.token_ids
-        first[t0] += 1
-        second[t0 * V + t1] += 1
+    first, second = seeded_alone(draft, params)
     assert min(pooled_chisquare(first, joint.sum(1), RUNS), pooled_chisquare(second, joint, RUNS)) < 1e-3
 
 
@@ -122,9 +150,9 @@ def test_reduced_vocabulary_drafters_sample_the_target(pair, kind):
     skip = 0 if kind == "early-exit" else 1
     joint = exact_two_token(target.model, params) if skip == 0 else exact_after_first(target.model, params)
     first, second, paths = Counter(), Counter(), Counter()
-    for seed in range(RUNS):
-        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2 + skip),
-                              SpecParams("constant", policy_params={"k": 2}))
+    for run in range(RUNS):
+        out = unseeded(engine, run, SamplingParams(1.0, max_new_tokens=2 + skip),
+                       SpecParams("constant", policy_params={"k": 2}))
         t0, t1 = out.token_ids[skip:]
         first[t0] += 1
         second[t0 * V + t1] += 1
@@ -150,9 +178,8 @@ def test_retrieval_point_mass_drafts_sample_the_target(pair):
     b = int(joint[a].argmax())
     engine = SpeculativeEngine(target, RetrievalDrafter(Datastore.from_documents([PROMPT + [a, b]])))
     first, second, paths = Counter(), Counter(), Counter()
-    for seed in range(RUNS):
-        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2),
-                              SpecParams("constant", policy_params={"k": 2}))
+    for run in range(RUNS):
+        out = unseeded(engine, run, params, SpecParams("constant", policy_params={"k": 2}))
         t0, t1 = out.token_ids
         first[t0] += 1
         second[t0 * V + t1] += 1
@@ -177,9 +204,8 @@ def test_draft_trees_sample_the_target(pair):
     engine = SpeculativeEngine(target, RetrievalDrafter(Datastore.from_documents(docs)), costs=flat)
     first, second = Counter(), Counter()
     branch_paths = 0
-    for seed in range(RUNS):
-        out = engine.generate(PROMPT, SamplingParams(1.0, 0, 1.0, seed, 2),
-                              SpecParams("constant", policy_params={"k": 2}, branches=3))
+    for run in range(RUNS):
+        out = unseeded(engine, run, params, SpecParams("constant", policy_params={"k": 2}, branches=3))
         t0, t1 = out.token_ids
         first[t0] += 1
         second[t0 * V + t1] += 1

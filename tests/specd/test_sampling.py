@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specd.sampling import entropy, js_distance, logits_to_probs, sample
+from specd.sampling import entropy, js_distance, logits_to_probs, race_noise, race_scores, sample
 from specd.types import SamplingParams
 
 
@@ -123,3 +123,27 @@ def test_js_distance_symmetric_bounded_and_known_value():
     jsd = 0.5 * math.log2(1 / 0.75) + 0.5 * (0.5 * math.log2(0.5 / 0.75) + 0.5 * math.log2(0.5 / 0.25))
     got = float(js_distance(torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])))
     assert got == pytest.approx(math.sqrt(jsd), rel=1e-5)
+
+
+def test_race_noise_is_a_function_of_seed_and_position_only():
+    a = race_noise(7, [3, 4, 5], 50)
+    assert torch.equal(a, race_noise(7, [3, 4, 5], 50))
+    assert torch.equal(a[1:], race_noise(7, [4, 5], 50))  # a row does not depend on its neighbours
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a, race_noise(8, [3, 4, 5], 50))
+    assert (a > 0).all() and abs(float(a.mean()) - 1.0) < 0.3  # Exp(1) draws
+
+
+def test_the_race_draws_exactly_from_p():
+    """argmax p / E over many seeds follows p (chi-square), zeros included; the negative control,
+    argmax p + U with uniform noise, does not."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    n = 4000
+    race = torch.stack([race_scores(p[None], seed, 11)[0].argmax() for seed in range(n)])
+    wrong = torch.stack([(p + race_noise(seed, [11], 5)[0] / 10).argmax() for seed in range(n)])
+    expected = (p[:4] * n).numpy()
+    assert int((race == 4).sum()) == 0
+    assert chisquare(torch.bincount(race, minlength=5)[:4].numpy(), expected).pvalue > 1e-3
+    wrong_counts = torch.bincount(wrong, minlength=5)[:4].numpy()
+    assert chisquare(wrong_counts, expected * wrong_counts.sum() / n).pvalue < 1e-3

@@ -246,3 +246,25 @@ def test_relaxed_threshold_accepts_close_mismatch_and_stops_at_far_one():
     assert (v.num_accepted, v.num_strict, v.num_relaxed) == (2, 1, 1)
     assert v.next_token == 0  # argmax p at the rejected position
     assert len(v.js_distances) == 3
+
+
+def test_seeded_verification_keeps_exactly_the_targets_seeded_draws():
+    """Seeded sampling: a draft is kept up to the first token that is not the target's race
+    winner at its position, which is then emitted; the same call unseeded would sample."""
+    from specd.sampling import logits_to_probs, race_scores
+    from specd.types import SamplingParams
+    from specd.verify import verify_window
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30)
+    sp = SamplingParams(temperature=0.9, top_k=20, seed=5)
+    winners = race_scores(logits_to_probs(logits, sp), 5, 20).argmax(-1).tolist()
+    q = torch.full((3, 30), 1 / 30)  # the draft's distribution does not enter the rule
+    assert verify_window(logits, winners[:3], q, sp, None, position=20) == Verdict(3, winners[3], 3)
+    wrong = (winners[1] + 1) % 30
+    assert verify_window(logits, [winners[0], wrong, winners[2]], q, sp, None, position=20) == Verdict(1, winners[1], 1)
+    assert verify_window(logits[:1], [], None, sp, None, position=20).next_token == winners[0]
+    relaxed = verify_window(logits, [winners[0], wrong, winners[2]], q, sp, None, None, True, position=20)
+    assert (relaxed.num_accepted, relaxed.next_token, relaxed.num_strict) == (1, winners[1], 1)
+    with pytest.raises(ValueError, match="position"):
+        verify_window(logits, winners[:3], None, sp, None)

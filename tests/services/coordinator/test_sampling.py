@@ -3,8 +3,10 @@
 PEARL adds one path the in-process engine does not have: a draft token drafted past a
 verified chunk is kept only if it equals the bonus token the target sampled there. The
 first two generated tokens of a tiny model (top-k 6, so 36 possible pairs) are compared
-with their exact joint distribution under the target alone (chi-square over seeded
-requests); the draft's own samples, the negative control, must fail the same test.
+with their exact joint distribution under the target alone (chi-square over unseeded
+requests, i.e. rejection sampling); the draft's own samples, the negative control, must fail
+the same test. Seeded requests are coupled (specd.sampling): through the services, PEARL on,
+their output must be exactly the in-process target alone's for the same seed.
 """
 
 from __future__ import annotations
@@ -67,38 +69,50 @@ def pvalue(pairs: Counter, probs: np.ndarray) -> float:
     return chisquare(observed[keep], exp * observed.sum() / exp.sum()).pvalue
 
 
-def test_pearl_sampling_follows_the_target(service_loop, pair):
+@pytest.fixture(scope="module")
+def services(service_loop, pair):
+    """The tiny pair behind a real target and draft service: (target address, draft address)."""
     target, draft = pair
     tservicer = TargetServicer(target)
     tserver, tport = service_loop.run(start_target(TargetSettings(port=0), tservicer))
     dsvc = draft_service(service_loop, build_drafter("hf", draft, draft), draft)
-    prompt = target.encode_prompt("ab", chat=False)
+    yield f"127.0.0.1:{tport}", dsvc.address
+    dsvc.stop()
+    service_loop.run(tserver.stop(0))
+    service_loop.loop.call_soon_threadsafe(tservicer.close)
 
-    async def run() -> tuple[Counter, int, int]:
-        coord = Coordinator(CoordinatorConfig(f"127.0.0.1:{tport}", dsvc.address), AsyncMemoryStateStore())
+
+def generate_all(addresses, requests) -> list[tuple[list[int], dict]]:
+    """Each request through a fresh coordinator: (generated ids, spec_stats)."""
+    async def run():
+        coord = Coordinator(CoordinatorConfig(*addresses), AsyncMemoryStateStore())
         await coord.connect()
-        pairs, kept, rejected = Counter(), 0, 0
-        for seed in range(RUNS):
+        results = []
+        for request in requests:
             ids, stats = [], {}
-            request = GenerateRequest(prompt_ids=tuple(prompt), spec=SpecParams("constant", max_draft_tokens=2),
-                                      sampling=SamplingParams(1.0, 6, 1.0, seed, 3), overlap=True)
             async for ev in coord.generate(request):
                 if isinstance(ev, FinishEvent):
                     stats = ev.spec_stats
                 else:
                     ids += ev.token_ids
-            pairs[tuple(ids[:2])] += 1
-            kept += stats["continuations_kept"]
-            rejected += stats["drafted"] - stats["accepted"]
+            results.append((ids, stats))
         await coord.close()
-        return pairs, kept, rejected
+        return results
 
-    try:
-        pairs, kept, rejected = asyncio.run(run())
-    finally:
-        dsvc.stop()
-        service_loop.run(tserver.stop(0))
-        service_loop.loop.call_soon_threadsafe(tservicer.close)
+    return asyncio.run(run())
+
+
+def test_pearl_sampling_follows_the_target(services, pair):
+    target, draft = pair
+    prompt = target.encode_prompt("ab", chat=False)
+    torch.manual_seed(0)
+    request = GenerateRequest(prompt_ids=tuple(prompt), spec=SpecParams("constant", max_draft_tokens=2),
+                              sampling=SamplingParams(1.0, 6, 1.0, None, 3), overlap=True)
+    pairs, kept, rejected = Counter(), 0, 0
+    for ids, stats in generate_all(services, [request] * RUNS):
+        pairs[tuple(ids[:2])] += 1
+        kept += stats["continuations_kept"]
+        rejected += stats["drafted"] - stats["accepted"]
     exact = exact_two_token(target.model, prompt)
     assert kept > 0 and rejected > 0  # both the PEARL continuation and the residual paths ran
     assert pvalue(pairs, exact) > 1e-3
@@ -109,3 +123,18 @@ def test_pearl_sampling_follows_the_target(service_loop, pair):
         out = SpeculativeEngine(draft).generate(prompt, SamplingParams(1.0, 6, 1.0, seed, 2), SpecParams("none"))
         own[tuple(out.token_ids[:2])] += 1
     assert pvalue(own, exact) < 1e-3
+
+
+def test_seeded_sampling_through_the_services_is_the_target_alones(services, pair):
+    """PEARL's overlap makes the windows depend on timing; the seeded output must not."""
+    target, _ = pair
+    prompt = target.encode_prompt("abcab", chat=False)
+    sampling = [SamplingParams(0.8, 0, 0.95, seed, 24) for seed in range(8)]
+    requests = [GenerateRequest(prompt_ids=tuple(prompt), spec=SpecParams("heuristic"), sampling=s, overlap=True)
+                for s in sampling]
+    alone = SpeculativeEngine(target)
+    accepted = 0
+    for (ids, stats), s in zip(generate_all(services, requests), sampling, strict=True):
+        assert ids == alone.generate(prompt, s, SpecParams("none")).token_ids, f"seed {s.seed}"
+        accepted += stats["accepted"]
+    assert accepted > 0
