@@ -96,7 +96,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling: the same seed gives the same text as the target alone "
+                                            "with it, whatever was drafted")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template (default: on)")
@@ -171,7 +172,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--policies", help="comma list (default: every policy except oracle)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int)
+    b.add_argument("--seed", type=int, help="sampled runs: seeded (coupled) draws, checked identical to ar; "
+                                            "unseeded runs use rejection sampling")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--baselines", default="ar,hf-prompt-lookup",
                    help="comma list of ar, hf-assisted, hf-heuristic, hf-prompt-lookup (ar always runs)")

@@ -65,7 +65,8 @@ class _Knobs(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="extension: 0 = off")
-    seed: int | None = None
+    seed: int | None = Field(None, description="sampling: the same seed gives the same text (the target "
+                                                "alone's with that seed, whatever was drafted)")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -7,7 +7,7 @@ Every prompt is therefore unseen when it is decoded (prequential evaluation). Pe
   - the live acceptance rate of the speculative run (drafts accepted / drafted);
   - the teacher-forced top-1 agreement of the drafter on the target's own answer, with the
     adapter it had when the prompt arrived and, as the control, with no adapter (frozen);
-  - whether the output equals target-only decoding (greedy; it must, always).
+  - whether the output equals target-only decoding (greedy or seeded; it must, always).
 The frozen control on the same prompt separates learning from prompts that are simply easier.
 """
 
@@ -61,7 +61,7 @@ def run_dvi_bench(target: LoadedModel, drafter: Drafter, prompts: list[list[int]
         rows.append({"prompt": i, "updates": updates, "records": len(new), "drafted": s.drafted,
                      "accepted": s.accepted, "acceptance_rate": s.accepted / s.drafted if s.drafted else None,
                      "agreement": learned, "agreement_frozen": frozen,
-                     "identical": out.token_ids == ref if sampling.greedy else None,
+                     "identical": out.token_ids == ref if sampling.greedy or sampling.coupled else None,
                      "loss": sum(losses) / len(losses) if losses else None})
         bar.update(1)
         bar.set_postfix(updates=trainer.steps, acc=f"{rows[-1]['acceptance_rate'] or 0:.2f}",

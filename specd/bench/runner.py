@@ -85,7 +85,8 @@ class BenchRun:
         spec = SpecParams(c.policy, None, dict(c.policy_params), task_tag="bench", branches=c.branches)
         ref = reference if c.policy == "oracle" else None
         out = self.engines[c.drafter].generate(prompt, self.sampling, spec, ref)
-        check = reference if (self.s.greedy and c.label != BASELINE) else None
+        # Greedy and seeded (coupled) output must be the target alone's, token for token.
+        check = reference if ((self.s.greedy or self.sampling.coupled) and c.label != BASELINE) else None
         return run_record(out.stats, out.token_ids, check), out.token_ids
 
     def warm_up(self) -> None:

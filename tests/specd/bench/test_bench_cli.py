@@ -57,6 +57,20 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("seed", [3, None])
+def test_sampled_bench_checks_identity_when_seeded(tiny_dirs, dataset, tmp_path, specd_cli, seed):
+    """Seeded sampling is coupled, so a seeded run's output must equal the target alone's; an
+    unseeded one has no reference to equal."""
+    out = tmp_path / "out"
+    extra = ["--seed", str(seed)] if seed is not None else []
+    code, _, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--limit", "2", "--temperature", "1.0",
+                                        "--policies", "constant", "--baselines", "ar", *extra))
+    assert code == 0, err
+    agg = json.loads((out / "results.json").read_text())["aggregates"]["hf/constant"]
+    assert agg["identical"] is (True if seed is not None else None)
+    assert agg["acceptance_rate"] > 0
+
+
 def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     out = tmp_path / "out"
     target, _ = map(str, tiny_dirs)
