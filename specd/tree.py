@@ -13,7 +13,8 @@ shares its nodes. Siblings are distinct tokens. Node i sits at position committe
 and attends to the committed text and its own ancestors only (`tree_mask`).
 
 Verification walks from the root (the last committed token) down the target's choices:
-  greedy: follow the child equal to the target's argmax; stop where no child is;
+  greedy: follow the child equal to the target's argmax; stop where no child is (seeded
+    sampling: the same walk on the race scores, specd.sampling);
   sampling: at a node whose children are point-mass drafts c_1..c_m, accept c_j with
     probability r(c_j) / sum(r), where r is p with the children already refused removed;
     when all are refused, sample from what is left of p. The emitted token is distributed
