@@ -35,6 +35,10 @@ def _kernels(args) -> str:
     return getattr(args, "linear_kernels", "auto")  # train-drafter has no flag: auto (training falls back)
 
 
+def _forward(args) -> str:
+    return getattr(args, "forward", "auto")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
@@ -56,6 +60,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-kernels", default="auto", choices=["auto", "onednn", "torch"],
                    help="auto: oneDNN with weights packed at load time for a float32 model on the CPU "
                         "(1.3x faster there end to end, docs/engine.md); torch: PyTorch's default kernels")
+    p.add_argument("--forward", default="auto", choices=["auto", "lean", "hf"],
+                   help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
+                        "Llama on the CPU (transformers' logits bit for bit, about 1.2x faster a step, "
+                        "docs/engine.md); hf: transformers' forward")
     p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
 
@@ -233,13 +241,13 @@ def _load(args):
     from specd.drafters import build_drafter, default_drafter
     from specd.models import load_model
 
-    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args))
+    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
     args.drafter = args.drafter or default_drafter(target.name)
     draft_model = None
     if args.drafter == "hf":
         if not args.draft_model:
             raise InvalidRequest("draft_model", "--drafter hf needs --draft-model DIR")
-        draft_model = load_model(args.draft_model, args.device, args.dtype, args.cache_dir, _kernels(args))
+        draft_model = load_model(args.draft_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
     drafter = build_drafter(args.drafter, target, draft_model, args.draft_layers, args.draft_adapter,
                             args.datastore)
     return target, drafter
@@ -300,7 +308,7 @@ def _cache_dir(args) -> Path:
 def _load_target(args):
     from specd.models import load_model
 
-    return load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args))
+    return load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
 
 
 def cmd_train_head(args) -> int:
@@ -328,7 +336,7 @@ def cmd_train_drafter(args) -> int:
     for name in ("positions", "gen_batch_size", "max_new_tokens", "epochs", "batch_tokens", "rank"):
         if getattr(args, name) < 1:
             raise InvalidRequest(name, f"must be at least 1, got {getattr(args, name)}")
-    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args))
+    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
     work = args.work_dir or _cache_dir(args) / "train" / target.name
     started = time.perf_counter()
     corpus = build_corpus(target, work, args.positions, prompt_files=args.prompts, self_instruct=args.self_instruct,
@@ -417,7 +425,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees)
+        args.trees, args.forward)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

@@ -189,7 +189,7 @@ def curve_key(target, drafter) -> str:
     """What a measured curve is valid for: the pair, where and how it runs, and on what."""
     dtype = next(target.model.parameters()).dtype
     ident = [target.name, drafter.name, str(target.device), str(dtype), torch.get_num_threads(), cpu_model(),
-             torch.__version__, kernels_of(target.model)]
+             torch.__version__, kernels_of(target.model), target.forward_kind()]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 

@@ -29,6 +29,9 @@ class ModelFields(BaseSettings):
     linear_kernels: str = Field("auto", pattern="^(auto|onednn|torch)$",
                                 description="auto | onednn | torch (auto: oneDNN with weights packed at "
                                             "load time for a float32 model on the CPU)")
+    forward: str = Field("auto", pattern="^(auto|lean|hf)$",
+                         description="auto | lean | hf (auto: specd's lean Llama forward for a float32 "
+                                     "Llama on the CPU, transformers' logits bit for bit)")
     cache_dir: Path | None = Field(None, validation_alias=AliasChoices("cache_dir", "SPECD_CACHE_DIR"),
                                    description="where the embedded model's dequantized weights are kept")
 

@@ -21,7 +21,7 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    return TargetServicer(load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels), s.max_batch_size)
+    return TargetServicer(load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward), s.max_batch_size)
 
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:

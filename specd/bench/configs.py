@@ -45,6 +45,7 @@ class BenchSettings:
     linear_kernels: str = "auto"  # specd/models/kernels.py
     datastore: Path | None = None  # retrieval's; None: the bundled one
     trees: bool = False  # also run lookup drafters with draft trees (specd.tree)
+    forward: str = "auto"  # auto | lean | hf (specd/models/lean.py)
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ def machine_info(target) -> dict:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
-            "linear_kernels": kernels_of(target.model), "python": platform.python_version(), "torch": torch.__version__,
+            "linear_kernels": kernels_of(target.model), "forward": target.forward_kind(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
 
 
@@ -85,7 +85,7 @@ def report_md(doc: dict) -> str:
         f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts × "
         f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}. "
         f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['device']} {m['dtype']}, "
-        f"{m.get('linear_kernels', 'torch')} linear kernels, torch {m['torch']}, transformers {m['transformers']}.", "",
+        f"{m.get('linear_kernels', 'torch')} linear kernels, {m.get('forward', 'hf')} forward, torch {m['torch']}, transformers {m['transformers']}.", "",
         "Speedup: tokens/s over target-only decoding (`ar`) on the same prompt in the same run; median "
         "[min, max] over prompts × repeats. % of oracle: tokens/s over the oracle bound of the same drafter.", "",
         "| config | tok/s | speedup median [spread] | MAT | acceptance | verif. rate | discard rate "

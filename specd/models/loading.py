@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from specd.errors import InvalidRequest, ModelError
 from specd.models.embedded import EMBEDDED_NAME, embedded_dir
 from specd.models.kernels import check_kernels, use_kernels
+from specd.models.lean import LeanLlama, check_forward, choose_forward
 from specd.models.session import KVSession, hf_forward
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
@@ -28,12 +29,25 @@ class LoadedModel:
     device: torch.device
     max_context: int
     eos_token_ids: frozenset[int]
+    forward: str = "auto"  # auto | lean | hf: how KV sessions run the model (specd/models/lean.py)
+    _lean: LeanLlama | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        choose_forward(self.model, self.forward, self.device)  # refuses what cannot run
+
+    def forward_kind(self) -> str:
+        """lean or hf: what a session opened now runs (the model's dtype and device decide auto)."""
+        return choose_forward(self.model, self.forward, self.device)
 
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
     def session(self) -> KVSession:
+        if self.forward_kind() == "lean":
+            if self._lean is None:
+                self._lean = LeanLlama(self.model)
+            return KVSession(self._lean.forward, self.device, self._lean.new_cache())
         return KVSession(hf_forward(self.model), self.device)
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
@@ -92,17 +106,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
-               linear_kernels: str = "auto") -> LoadedModel:
+               linear_kernels: str = "auto", forward: str = "auto") -> LoadedModel:
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
     linear_kernels: auto | onednn | torch (specd/models/kernels.py; auto packs the weights for
-    oneDNN on a float32 CPU model)."""
+    oneDNN on a float32 CPU model). forward: auto | lean | hf (specd/models/lean.py; auto runs
+    the lean Llama forward on the CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_kernels(linear_kernels)  # before the load: a typo costs no time
+    check_forward(forward)
     name = model_name(spec)
     if spec in EMBEDDED_ALIASES:
         path = embedded_dir(cache_dir)
@@ -125,7 +141,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer))
+    return LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer),
+                       forward)
 
 
 def model_name(spec: str) -> str:

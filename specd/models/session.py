@@ -35,10 +35,12 @@ def hf_forward(model: torch.nn.Module) -> ForwardFn:
 
 
 class KVSession:
-    def __init__(self, forward: ForwardFn, device: torch.device):
+    def __init__(self, forward: ForwardFn, device: torch.device, cache=None):
+        """cache: an empty cache for `forward` (default a DynamicCache; the lean forward's
+        FlatCache, specd/models/lean.py)."""
         self._forward = forward
         self.device = device
-        self.cache: DynamicCache | None = DynamicCache()
+        self.cache = cache if cache is not None else DynamicCache()
         self.length = 0  # tokens whose keys/values are cached
 
     @torch.inference_mode()
@@ -87,6 +89,8 @@ class KVSession:
         cache = self.cache
         if cache is None:
             return 0
+        if hasattr(cache, "nbytes"):
+            return cache.nbytes()
         total = 0
         for layer in list(getattr(cache, "layers", ())):
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):

@@ -53,12 +53,12 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
     return out
 
 
-def loaded(model: torch.nn.Module, name: str, tokenizer=None) -> LoadedModel:
-    """Wrap an in-memory model the way load_model would (its linear kernels included)."""
+def loaded(model: torch.nn.Module, name: str, tokenizer=None, forward: str = "auto") -> LoadedModel:
+    """Wrap an in-memory model the way load_model would (its linear kernels and forward included)."""
     use_kernels(model)
     eos = model.generation_config.eos_token_id
     return LoadedModel(name, model, tokenizer, torch.device("cpu"),
-                       model.config.max_position_embeddings, frozenset([eos] if eos is not None else []))
+                       model.config.max_position_embeddings, frozenset([eos] if eos is not None else []), forward)
 
 
 def char_tokenizer():
