@@ -1,5 +1,7 @@
 """Peer baselines from transformers, timed like our runs (time.perf_counter around the call).
 
+- hf-ar: generate() alone, transformers' own target-only decoding (what the runtime is worth
+  before any speculation: specd's `ar` runs the same model through specd's forward);
 - hf-prompt-lookup: generate(prompt_lookup_num_tokens=10) (Saxena 2023);
 - hf-assisted: generate(assistant_model=draft) with transformers' defaults (a constant window of
   20 drafts, confidence threshold 0.4);
@@ -23,7 +25,7 @@ import torch
 from specd.models.loading import LoadedModel
 from specd.types import SamplingParams
 
-PEERS = ("hf-prompt-lookup", "hf-assisted", "hf-heuristic")
+PEERS = ("hf-ar", "hf-prompt-lookup", "hf-assisted", "hf-heuristic")
 BASELINES = ("ar", *PEERS)
 
 # The assistant's generation-config fields each assisted peer starts from; transformers mutates
@@ -82,7 +84,7 @@ class PeerRunner:
         kwargs = self._sampling_kwargs(sampling)
         if peer == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
-        else:
+        elif peer in _ASSISTANT_FIELDS:
             kwargs["assistant_model"] = self._assistant(peer)
         input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.target.device)
         if not sampling.greedy:
@@ -91,7 +93,7 @@ class PeerRunner:
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         wall = time.perf_counter() - t0
-        if peer != "hf-prompt-lookup":
+        if peer in _ASSISTANT_FIELDS:
             self._save_assistant(peer)
         return self._strip(out[0, len(prompt):].tolist()), wall
 

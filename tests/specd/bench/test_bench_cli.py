@@ -28,17 +28,21 @@ def bench_args(tiny_dirs, dataset, out, *extra):
 def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     out = tmp_path / "out"
     code, stdout, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--policies", "constant,heuristic,svip",
-                                       "--baselines", "ar,hf-prompt-lookup,hf-assisted", "--json"))
+                                       "--baselines", "ar,hf-ar,hf-prompt-lookup,hf-assisted", "--json"))
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert json.loads(stdout) == doc
     assert {"machine", "command", "settings", "configs", "records", "aggregates", "oracle"} <= set(doc)
-    assert {"cpu", "cores", "torch_threads", "device", "dtype", "torch", "transformers"} <= set(doc["machine"])
-    labels = ["ar", "hf/constant", "hf/heuristic", "hf/svip", "hf-prompt-lookup", "hf-assisted"]
+    assert {"cpu", "cores", "torch_threads", "device", "dtype", "torch", "transformers", "linear_kernels",
+            "forward"} <= set(doc["machine"])
+    assert doc["machine"]["forward"] == "lean"
+    labels = ["ar", "hf/constant", "hf/heuristic", "hf/svip", "hf-ar", "hf-prompt-lookup", "hf-assisted"]
     assert list(doc["aggregates"]) == labels
     for label in labels:
         records = doc["records"][label]
         assert [r["prompt"] for r in records] == [f"{i}#t1" for i in range(3)]
+    # transformers' own target-alone decoding says the same as specd's lean forward
+    assert doc["aggregates"]["hf-ar"]["identical"] is True
     for label in ("hf/constant", "hf/heuristic", "hf/svip"):
         agg = doc["aggregates"][label]
         assert agg["identical"] is True  # greedy speculative output equals the target alone
