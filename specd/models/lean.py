@@ -135,17 +135,15 @@ def supports(model: torch.nn.Module) -> bool:
             and getattr(config, "pretraining_tp", 1) == 1)
 
 
-def _fused(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One linear whose output is the given linears' outputs side by side."""
+def _fused(layers: list[torch.nn.Linear]):
+    """One product whose output is the given linears' outputs side by side. With oneDNN
+    kernels only the packed copy is kept (the lean forward runs in inference mode only)."""
     weight = torch.cat([m.weight.detach() for m in layers], dim=0)
-    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                            dtype=weight.dtype)
-    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     if (isinstance(layers[0], PackedLinear) and onednn_available() and weight.dtype == torch.float32
             and weight.device.type == "cpu"):
-        fused.__class__ = PackedLinear
-        fused._repack()
-    return fused
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: F.linear(x, weight)
 
 
 class LeanLlama:
