@@ -121,7 +121,7 @@ def choose_forward(model: torch.nn.Module, forward: str, device: torch.device) -
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether lean_forward computes what this model's own forward computes: a Llama causal
+    """Whether the lean forward computes what this model's own forward computes: a Llama causal
     LM on one device, with plain rotary embeddings, no biases, SiLU and SDPA attention."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) != "llama":
@@ -194,6 +194,8 @@ class LeanLlama:
             self._fuse()
 
     def new_cache(self) -> FlatCache:
+        """An empty cache for a new session; the fused weights are checked against the model's
+        here, once per session, not on every step."""
         self._refresh()
         return FlatCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 
@@ -226,7 +228,6 @@ class LeanLlama:
     def forward(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int, want_hidden: bool,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         assert input_ids.shape[0] == 1, "the lean forward runs one sequence"
-        self._refresh()
         past = cache.lens[0]
         t = input_ids.shape[1]
         if position_ids is None:
