@@ -31,12 +31,13 @@ def _policy_param(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
 
 
-def _kernels(args) -> str:
-    return getattr(args, "linear_kernels", "auto")  # train-drafter has no flag: auto (training falls back)
+def _load_model(args, spec: str):
+    """load_model with the command's device, dtype, cache, kernels and forward (train-drafter has
+    no kernel or forward flags: auto; training falls back to PyTorch's kernels by itself)."""
+    from specd.models import load_model
 
-
-def _forward(args) -> str:
-    return getattr(args, "forward", "auto")
+    return load_model(spec, args.device, args.dtype, args.cache_dir, getattr(args, "linear_kernels", "auto"),
+                      getattr(args, "forward", "auto"))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -241,15 +242,14 @@ def _quiet_libraries() -> None:
 
 def _load(args):
     from specd.drafters import build_drafter, default_drafter
-    from specd.models import load_model
 
-    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
+    target = _load_model(args, args.target_model)
     args.drafter = args.drafter or default_drafter(target.name)
     draft_model = None
     if args.drafter == "hf":
         if not args.draft_model:
             raise InvalidRequest("draft_model", "--drafter hf needs --draft-model DIR")
-        draft_model = load_model(args.draft_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
+        draft_model = _load_model(args, args.draft_model)
     drafter = build_drafter(args.drafter, target, draft_model, args.draft_layers, args.draft_adapter,
                             args.datastore)
     return target, drafter
@@ -308,9 +308,7 @@ def _cache_dir(args) -> Path:
 
 
 def _load_target(args):
-    from specd.models import load_model
-
-    return load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
+    return _load_model(args, args.target_model)
 
 
 def cmd_train_head(args) -> int:
@@ -326,7 +324,6 @@ def cmd_train_head(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from specd.models import load_model
     from specd.training.corpus import answer_prompts, build_corpus, file_prompts, read_shard, write_shard
     from specd.training.early_exit import train_early_exit
     from specd.training.feature import train_feature
@@ -338,7 +335,7 @@ def cmd_train_drafter(args) -> int:
     for name in ("positions", "gen_batch_size", "max_new_tokens", "epochs", "batch_tokens", "rank"):
         if getattr(args, name) < 1:
             raise InvalidRequest(name, f"must be at least 1, got {getattr(args, name)}")
-    target = load_model(args.target_model, args.device, args.dtype, args.cache_dir, _kernels(args), _forward(args))
+    target = _load_model(args, args.target_model)
     work = args.work_dir or _cache_dir(args) / "train" / target.name
     started = time.perf_counter()
     corpus = build_corpus(target, work, args.positions, prompt_files=args.prompts, self_instruct=args.self_instruct,

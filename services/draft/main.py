@@ -34,7 +34,8 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
     if s.drafter in ("early-exit", "feature"):
         model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
     elif s.drafter == "hf":
-        model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
+        model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels,
+                                         s.forward)
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter, s.datastore,
                             model_name(s.target_model))
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)

@@ -21,7 +21,8 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    return TargetServicer(load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward), s.max_batch_size)
+    target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
+    return TargetServicer(target, s.max_batch_size)
 
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:

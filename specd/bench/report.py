@@ -27,7 +27,8 @@ def machine_info(target) -> dict:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
-            "linear_kernels": kernels_of(target.model), "forward": target.forward_kind(), "python": platform.python_version(), "torch": torch.__version__,
+            "linear_kernels": kernels_of(target.model), "forward": target.forward_kind(),
+            "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
 
 

@@ -33,7 +33,8 @@ def load_models(s: BenchSettings) -> Models:
     from specd.models import load_model
 
     target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
-    draft_model = load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward) if s.draft_model else None
+    draft_model = (load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
+                   if s.draft_model else None)
     drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter, s.datastore)
                 for d in s.drafters}
     if draft_model is None and "early-exit" in drafters and s.draft_adapter is None:

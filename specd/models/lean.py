@@ -174,8 +174,9 @@ class LeanLlama:
         self.layers = []
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append((layer.input_layernorm, _fused([a.q_proj, a.k_proj, a.v_proj]), a.o_proj,
-                                layer.post_attention_layernorm, _fused([m.gate_proj, m.up_proj]), m.down_proj))
+            qkv, gate_up = _fused([a.q_proj, a.k_proj, a.v_proj]), _fused([m.gate_proj, m.up_proj])
+            self.layers.append((layer.input_layernorm, qkv, a.o_proj, layer.post_attention_layernorm, gate_up,
+                                m.down_proj))
         self._fused_from = self._stamps()
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
@@ -185,9 +186,8 @@ class LeanLlama:
         """What the fused copies were made from: each source weight's storage, dtype and
         in-place version (an inference tensor has none; nothing here writes weights in
         inference mode)."""
-        return [(w.data_ptr(), w.dtype, -1 if w.is_inference() else w._version)
-                for a, m in self._sources
-                for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight)]
+        return [(p.weight.data_ptr(), p.weight.dtype, -1 if p.weight.is_inference() else p.weight._version)
+                for a, m in self._sources for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)]
 
     def _refresh(self) -> None:
         if self._stamps() != self._fused_from:  # a source weight was replaced, converted or changed
@@ -225,6 +225,10 @@ class LeanLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, kv_heads, L, D] -> [1, heads, L, D], each KV head once per query head it serves."""
+        return x[:, :, None].expand(1, self.kv_heads, self.groups, *x.shape[2:]).reshape(1, self.heads, *x.shape[2:])
+
     def forward(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int, want_hidden: bool,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         assert input_ids.shape[0] == 1, "the lean forward runs one sequence"
@@ -241,9 +245,10 @@ class LeanLlama:
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
             x = self._rms(norm_in, h)
             qkv = qkv_proj(x)
-            q = qkv[..., :self.q_size].view(1, t, self.heads, self.head_dim).transpose(1, 2)
-            k = qkv[..., self.q_size:self.q_size + self.kv_size].view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = qkv[..., self.q_size + self.kv_size:].view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
             keys, values = cache.update(k, v, i)
@@ -251,10 +256,7 @@ class LeanLlama:
                 out = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=True)
             else:  # a window: transformers repeats each KV head for its query heads
                 if self.groups > 1:
-                    keys = keys[:, :, None].expand(1, self.kv_heads, self.groups, *keys.shape[2:]).reshape(
-                        1, self.heads, *keys.shape[2:])
-                    values = values[:, :, None].expand(1, self.kv_heads, self.groups, *values.shape[2:]).reshape(
-                        1, self.heads, *values.shape[2:])
+                    keys, values = self._repeat_kv(keys), self._repeat_kv(values)
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             out = out.transpose(1, 2).reshape(1, t, self.q_size)
             h = h + o_proj(out)

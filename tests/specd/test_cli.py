@@ -53,6 +53,7 @@ BAD = [
     (["--draft-layers", "99", "--drafter", "early-exit"], "draft_layers"),
     (["--relaxed"], "relaxed"),
     (["--drafter", "hf"], "draft_model"),
+    (["--forward", "turbo"], "forward"),
     (["--drafter", "hf", "--draft-model", "/nonexistent/model"], "/nonexistent/model"),
     (["--device", "tpu"], "device"),
     (["--max-new-tokens", "ten"], "max-new-tokens"),
