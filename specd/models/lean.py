@@ -199,9 +199,10 @@ class LeanLlama:
         self._refresh()
         return FlatCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] at the given positions, as LlamaRotaryEmbedding computes them."""
-        need = int(positions.max()) + 1
+    def _rope(self, past: int, t: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for the new tokens, as LlamaRotaryEmbedding computes them: at
+        past .. past + t - 1, or at the given positions (a draft tree's, never beyond those)."""
+        need = past + t
         if need > self._cos.shape[0]:
             n = max(need, 2 * self._cos.shape[0], 512)
             pos = torch.arange(n, device=self.device, dtype=torch.float32)
@@ -209,6 +210,8 @@ class LeanLlama:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos = (emb.cos() * self.rope_scale).to(self.dtype)
             self._sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        if positions is None:
+            return self._cos[past:need], self._sin[past:need]
         return self._cos[positions], self._sin[positions]
 
     @staticmethod
@@ -234,9 +237,7 @@ class LeanLlama:
         assert input_ids.shape[0] == 1, "the lean forward runs one sequence"
         past = cache.lens[0]
         t = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=self.device)[None]
-        cos, sin = self._rope(position_ids[0])
+        cos, sin = self._rope(past, t, None if position_ids is None else position_ids[0])
         cos, sin = cos[None, None], sin[None, None]  # [1, 1, T, D]
         mask = attention_mask
         if mask is None and t > 1:  # causal over the cache and the window, what transformers builds
