@@ -1,7 +1,7 @@
 """Time transformers' forward against specd's lean forward on the same model, and check that
 their logits are equal to the bit (docs/engine.md, "The lean forward").
 
-    python scripts/forward_timing.py [--model embedded] [--context 200] [--repeats 9]
+    python scripts/forward_timing.py [--model embedded] [--context 200] [--repeats 9] [--device cuda]
 
 Prints, per window size n, the median milliseconds of one KV-cached forward over n new tokens
 after a `--context`-token prefix, for each forward, and how many of 60 random windows (with
@@ -26,6 +26,8 @@ SIZES = (1, 2, 4, 6, 8, 16)
 def _step_ms(session: KVSession, n: int, base: int) -> float:
     t0 = time.perf_counter()
     session.extend([5] * n, num_logits=n)
+    if session.device.type == "cuda":
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     session.rollback(base)
     return dt * 1000
@@ -37,10 +39,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (on a GPU the timings synchronise)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_model(args.model, device="cpu", dtype="float32")
+    target = load_model(args.model, device=args.device, dtype="float32")
     lean = LeanLlama(target.model)
     sessions = {"hf": KVSession(hf_forward(target.model), target.device),
                 "lean": KVSession(lean.forward, target.device, lean.new_cache())}
