@@ -354,7 +354,8 @@ class GenerationRun:
             if d is None:
                 break
             step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
-                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved)
+                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved,
+                             d.votes, d.support)
             decision = policy.decide(step)
             if decision is Decision.DROP:
                 dropped = step

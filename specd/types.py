@@ -90,6 +90,10 @@ class DraftStep:
     hidden: torch.Tensor | None = None  # draft's last hidden state that produced q ([hidden])
     match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues (else 0)
     retrieved: bool = False  # retrieval: the match is in the datastore, not in this request's text
+    # n-gram drafters: how many occurrences of the match voted on this token (those whose text
+    # agreed with the window so far; 0: unknown), and the share of them it follows
+    votes: int = 0
+    support: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

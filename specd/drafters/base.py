@@ -33,6 +33,8 @@ class DraftToken:
     hidden: torch.Tensor | None = None  # [H] draft hidden state that produced q
     match_len: int = 0  # n-gram drafters: length of the matched suffix this token continues
     retrieved: bool = False  # retrieval: the match is in the datastore, not in this request's text
+    votes: int = 0  # n-gram drafters: occurrences of the match that voted on this token (0: unknown)
+    support: float = 1.0  # ... and the share of them that continue with it
 
 
 class DraftSession(ABC):

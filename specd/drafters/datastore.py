@@ -128,8 +128,16 @@ class Datastore:
         """The majority path after the occurrences ending at `ends`: the most frequent next
         token, then among the occurrences that agreed the most frequent one after it, while
         more than half agree (the first token needs only to be the most frequent)."""
+        return self.continuation_votes(ends, max_len)[0]
+
+    def continuation_votes(self, ends: np.ndarray, max_len: int) -> tuple[list[int], list[int], list[float]]:
+        """The majority path (`continuation`), with each token's votes (the occurrences still
+        on the path that have a next token) and the share of them that continue with it: how
+        contested the guess is, which the cost-aware policy calibrates on."""
         ends = voters(ends)
         out: list[int] = []
+        votes: list[int] = []
+        support: list[float] = []
         for j in range(1, min(max_len, TAIL) + 1):
             column = self.data[ends + j]
             nxt = column[column >= 0]
@@ -141,8 +149,10 @@ class Datastore:
                 break
             token = int(values[best])
             out.append(token)
+            votes.append(int(nxt.size))
+            support.append(int(counts[best]) / nxt.size)
             ends = ends[column == token]
-        return out
+        return out, votes, support
 
     def alternatives(self, ends: np.ndarray, count: int, max_len: int) -> list[list[int]]:
         """Up to `count` continuations after the occurrences ending at `ends`, one per next

@@ -5,9 +5,11 @@ Find the longest suffix of the sequence (at most max_ngram tokens, at least min_
 occurred earlier in prompt + generated text, take its most recent occurrence, and propose the
 tokens that followed it, up to `lookahead` of them: the draft length comes from the match's own
 continuation, and there is no draft at all without a match. The draft distribution is a point
-mass on each proposed token. Every token carries the match length it came from, the feature a
-cost-aware policy calibrates its acceptance estimate on (a long match is a repeated passage, a
-one-token match is a guess).
+mass on each proposed token. Every token carries what a cost-aware policy calibrates its
+acceptance estimate on: the match length it came from (a long match is a repeated passage, a
+one-token match is a guess) and its votes, how many occurrences of the match (those that agreed
+with the window so far) go on at this point and the share of them that go on with this token
+(a phrase that always continues the same way, or a contested guess).
 
 `retrieval` also searches a datastore of the target's own answers to other prompts
 (specd.drafters.datastore) and proposes its continuation when the datastore's match is longer
@@ -47,13 +49,6 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     return best, length
 
 
-def longest_match(seq: np.ndarray, max_ngram: int) -> tuple[int, int]:
-    """(start of the continuation, match length) of the longest suffix of seq that also ends
-    earlier in seq, capped at max_ngram tokens, the most recent one among equals; (-1, 0) if none."""
-    ends, length = suffix_matches(seq, max_ngram)
-    return (int(ends[-1]) + 1, length) if length else (-1, 0)
-
-
 class NgramSession(DraftSession):
     def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
@@ -63,30 +58,53 @@ class NgramSession(DraftSession):
         self.match_len = 0
         self.retrieved = False  # the proposal comes from the datastore
         self.next_len = -1  # len(seq) at which proposal[cursor] is the next token
+        # Each token's votes: the datastore's, counted at lookup; in the request's own text,
+        # counted as tokens are handed out over the occurrences that agreed so far.
+        self.found_votes: list[int] = []
+        self.found_support: list[float] = []
+        self.text = np.zeros(0, np.int64)
+        self.alive = self.text
 
     def next(self, seq, params, generator, want_hidden):
         if len(seq) != self.next_len or self.cursor >= len(self.proposal):
             self._lookup(seq)
             if not self.proposal:
                 return None
-        token = self.proposal[self.cursor]
+        j = self.cursor
+        votes, support = self._votes(j)
         self.cursor += 1
         self.next_len += 1
-        return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved)
+        return DraftToken(self.proposal[j], None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved,
+                          votes, support)
+
+    def _votes(self, j: int) -> tuple[int, float]:
+        """(occurrences voting on proposal[j], the share that continue with it)."""
+        if self.retrieved:
+            return self.found_votes[j], self.found_support[j]
+        text = self.text
+        alive = self.alive[self.alive + 1 + j < len(text)]  # occurrences whose text reaches j
+        column = text[alive + 1 + j]
+        agree = column == self.proposal[j]
+        self.alive = alive[agree]
+        return (int(column.size), float(agree.mean())) if column.size else (0, 1.0)
 
     def _lookup(self, seq: list[int]) -> None:
         arr = np.asarray(seq, dtype=np.int64)
-        start, length = longest_match(arr, self.max_ngram)
-        if start < 0 or length < self.min_ngram:
+        ends, length = suffix_matches(arr, self.max_ngram)
+        if length < self.min_ngram:
             length = 0
+        start = int(ends[-1]) + 1 if length else 0  # the most recent occurrence's continuation
         self.proposal = arr[start:start + self.lookahead].tolist() if length else []
+        self.text, self.alive = arr, ends
         self.retrieved = False
         if self.datastore is not None and length < self.max_ngram:
-            ends, found_len = self.datastore.match(arr[-self.max_ngram:])
+            found, found_len = self.datastore.match(arr[-self.max_ngram:])
             if found_len > length and found_len >= self.min_ngram:  # ties: the request's own text
-                found = self.datastore.continuation(ends, self.lookahead)  # only for a match that wins
-                if found:
-                    self.proposal, length, self.retrieved = found, found_len, True
+                # only for a match that wins
+                tokens, self.found_votes, self.found_support = self.datastore.continuation_votes(
+                    found, self.lookahead)
+                if tokens:
+                    self.proposal, length, self.retrieved = tokens, found_len, True
         self.cursor, self.match_len, self.next_len = 0, length, len(seq)
 
     def branches(self, seq, chain, length):

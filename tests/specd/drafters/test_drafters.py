@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specd.drafters import EarlyExitDrafter, NgramDrafter
@@ -34,6 +35,19 @@ def test_ngram_forgets_its_proposal_after_a_rollback():
     assert s.next(seq, GREEDY, None, False).token == 3  # continuation [3, 1, 2]
     s.rollback(5)  # 3 was rejected and 7 emitted instead: [1, 2] no longer follows
     assert s.next(seq + [7], GREEDY, None, False) is None  # without the rollback: a stale 1
+
+
+def test_ngram_tokens_carry_their_votes():
+    s = NgramDrafter().open()
+    # [1, 2] occurred three times before: followed by 3 twice (the most recent one included) and
+    # by 4 once; then, of the two occurrences that went on with 3, one has 5 next and one 6
+    seq = [1, 2, 3, 5, 1, 2, 4, 0, 1, 2, 3, 6, 8, 1, 2]
+    d = s.next(seq, GREEDY, None, False)
+    assert (d.token, d.match_len, d.votes) == (3, 2, 3) and d.support == pytest.approx(2 / 3)
+    d = s.next(seq + [3], GREEDY, None, False)
+    assert (d.token, d.votes, d.support) == (6, 2, 0.5)
+    d = s.next(seq + [3, 6], GREEDY, None, False)
+    assert (d.token, d.votes, d.support) == (8, 1, 1.0)  # the only occurrence still agreeing
 
 
 def test_early_exit_equals_the_truncated_target_until_trained(tiny_target):

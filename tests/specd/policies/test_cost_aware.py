@@ -9,6 +9,7 @@ import pytest
 from specd.costs import CostCurve
 from specd.errors import InvalidRequest
 from specd.policies import Decision, PolicyResources, build_policy
+from specd.policies.cost_aware import feature_bin
 from specd.types import DraftStep, RoundOutcome
 
 C, S, D = Decision.CONTINUE, Decision.STOP, Decision.DROP
@@ -27,8 +28,9 @@ def model_step(index: int, prob: float) -> DraftStep:
     return DraftStep(index, index - 1, 7, prob, prob, 0.5)
 
 
-def ngram_step(index: int, match_len: int, token: int = 7, retrieved: bool = False) -> DraftStep:
-    return DraftStep(index, index - 1, token, 1.0, 1.0, 0.0, None, match_len, retrieved)
+def ngram_step(index: int, match_len: int, token: int = 7, retrieved: bool = False, votes: int = 0,
+               support: float = 1.0) -> DraftStep:
+    return DraftStep(index, index - 1, token, 1.0, 1.0, 0.0, None, match_len, retrieved, votes, support)
 
 
 def window(p, make_step, cap: int = 64) -> tuple[int, Decision]:
@@ -99,6 +101,26 @@ def test_retrieved_matches_are_calibrated_apart_from_the_requests_own():
     assert p.decide(ngram_step(1, 3, retrieved=True)) is D
     p.begin_round()
     assert p.decide(ngram_step(1, 3)) is C
+
+
+def test_votes_split_a_match_length_bin_and_start_from_its_estimate():
+    """Within one match length, a token most occurrences disagree with is a worse bet than one
+    many agree on: their outcomes land in separate vote bins, and the decisions follow. A vote
+    class never seen starts from the match length's own estimate."""
+    p = policy(CPU)
+    contested = lambda i: ngram_step(i, 3, retrieved=True, votes=10, support=0.3)
+    settled = lambda i: ngram_step(i, 3, retrieved=True, votes=10, support=1.0)
+    for _ in range(30):
+        p.observe(RoundOutcome(1, 0, (0.0,), False, (), (contested(1),)))
+        p.observe(RoundOutcome(3, 3, (0.0,) * 3, False, (), tuple(settled(i) for i in (1, 2, 3))))
+    assert p.estimate("r3i1v0") < 0.1 < 0.9 < p.estimate("r3i1v4")
+    assert 0.3 < p.estimate("r3i1") < 0.7  # the parent saw both
+    assert p.estimate("r3i1v2") == pytest.approx(p.estimate("r3i1"))  # unseen class: the parent's
+    assert p.decide(contested(1)) is D
+    p.begin_round()
+    assert p.decide(settled(1)) is C
+    # votes unknown (0): the match length's bin alone
+    assert p.estimate("r3i1") == pytest.approx(p.estimate(feature_bin(ngram_step(1, 3, retrieved=True))))
 
 
 def test_the_table_is_shared_state_and_forgets_slowly():
