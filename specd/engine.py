@@ -130,7 +130,7 @@ class GenerationRun:
             self.generator = torch.Generator(device=target.device)
             self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.target_kv = target.session()
-        self.draft_session = self.drafter.open() if self.drafter else None
+        self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
         self.branches, self.branch_length = self._tree_shape()
         self.tree_gain = TREE_GAIN_PRIOR
@@ -355,7 +355,7 @@ class GenerationRun:
                 break
             step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
                              d.prob, d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved,
-                             d.votes, d.support)
+                             d.votes, d.support, d.noise)
             decision = policy.decide(step)
             if decision is Decision.DROP:
                 dropped = step

@@ -83,9 +83,10 @@ def _splitmix64(x: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)  # 64 rows of a 49k vocabulary: 12.6 MB
-def _race_row(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+def race_row(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """E [V]: a seeded request's Exp(1) draws at one sequence position (read-only)."""
     # Drawn on the CPU so that every device, process and service gets the same numbers; a
-    # draft and its verification ask for the same rows, hence the cache (read-only rows).
+    # draft and its verification ask for the same rows, hence the cache.
     generator = torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ position) >> 1)
     return torch.rand(vocab_size, generator=generator).log_().neg_()
 
@@ -93,7 +94,7 @@ def _race_row(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 def race_noise(seed: int, positions: Sequence[int], vocab_size: int,
                device: torch.device | str = "cpu") -> torch.Tensor:
     """E [len(positions), V]: a seeded request's Exp(1) draws at those sequence positions."""
-    rows = [_race_row(seed, position, vocab_size) for position in positions]
+    rows = [race_row(seed, position, vocab_size) for position in positions]
     return torch.stack(rows).to(device) if rows else torch.empty(0, vocab_size, device=device)
 
 

@@ -94,6 +94,7 @@ class DraftStep:
     # agreed with the window so far; 0: unknown), and the share of them it follows
     votes: int = 0
     support: float = 1.0
+    noise: float = -1.0  # coupled sampling: E(x), the race noise of x at its position (< 0: not coupled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,7 +167,8 @@ class DraftRunner:
         if d is None:
             return self._end(window, "no_proposal")
         step = DraftStep(len(window.tokens) + 1, len(self.seq) - self.prompt_len, d.token, d.prob,
-                         d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved, d.votes, d.support)
+                         d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved, d.votes, d.support,
+                         d.noise)
         decision = self.policy.decide(step)
         if decision is Decision.DROP:
             window.dropped = step

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from specd.errors import ModelError
 from specd.models.session import KVSession
-from specd.sampling import entropy, logits_to_probs, race_scores, sample
+from specd.sampling import entropy, logits_to_probs, race_row, sample
 from specd.types import SamplingParams
 
 
@@ -35,6 +35,8 @@ class DraftToken:
     retrieved: bool = False  # retrieval: the match is in the datastore, not in this request's text
     votes: int = 0  # n-gram drafters: occurrences of the match that voted on this token (0: unknown)
     support: float = 1.0  # ... and the share of them that continue with it
+    # coupled sampling: E(x), the race noise of x at its position (specd.sampling); < 0: not coupled
+    noise: float = -1.0
 
 
 class DraftSession(ABC):
@@ -224,18 +226,21 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     argmax, with q the temperature-1 softmax (what the policies' confidence features read);
     for sampling a draw from q, the distribution after temperature/top-k/top-p (seeded: the
     exponential race with the target's draws for that position, specd.sampling)."""
+    noise = None
     if params.greedy:
         q = logits.softmax(-1)
         token = q.argmax()
     else:
         q = logits_to_probs(logits, params)
         if params.coupled:
-            token = race_scores(q[None], params.seed, position)[0].argmax()
+            noise = race_row(params.seed, position, q.shape[-1]).to(q.device)
+            token = (q / noise).argmax()
         else:
             token = sample(q, generator)
     # One host sync for everything the policy reads.
-    tok, prob, max_prob, h = torch.stack([token.float(), q[token], q.max(), entropy(q)]).tolist()
-    return DraftToken(int(tok), q, prob, max_prob, h, hidden)
+    e = noise[token] if noise is not None else q.new_tensor(-1.0)
+    tok, prob, max_prob, h, e = torch.stack([token.float(), q[token], q.max(), entropy(q), e]).tolist()
+    return DraftToken(int(tok), q, prob, max_prob, h, hidden, noise=e)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

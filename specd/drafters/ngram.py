@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
-from specd.drafters.datastore import Datastore
+from specd.drafters.datastore import TAIL, Datastore, voters
+from specd.sampling import race_row
 
 MAX_ALTERNATIVES = 4  # datastore candidates offered per round (the engine keeps up to 3 branches)
 
@@ -49,63 +50,90 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     return best, length
 
 
+class _Walk:
+    """The occurrences of the current match in one text (the request's own, or the datastore's),
+    narrowed token by token to those whose text agrees with what was handed out.
+
+    Each next token is chosen among what the surviving occurrences go on with:
+      - "recent": what the most recent occurrence says (prompt lookup's copy of one passage);
+      - "majority": the most frequent, while more than half of them agree after the first
+        (the datastore's majority path, Datastore.continuation);
+      - "race": for coupled sampling, the candidate v with the largest count(v) / E(v), E the
+        request's race noise at this position (specd.sampling): the token the target draws is
+        argmax p / E, so a candidate the noise favours is the likelier winner. Any choice is
+        lossless there (verification accepts only the target's own draw).
+    """
+
+    __slots__ = ("text", "alive", "j", "rule", "limit")
+
+    def __init__(self, text: np.ndarray, ends: np.ndarray, rule: str, limit: int):
+        self.text, self.alive, self.rule, self.limit, self.j = text, ends, rule, limit, 0
+
+    def next(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
+        """(token, votes, support), or None when no occurrence goes on."""
+        if self.j >= self.limit:
+            return None
+        text = self.text
+        alive = self.alive[self.alive + 1 + self.j < len(text)]  # the request's text ends at the match
+        column = text[alive + 1 + self.j]
+        valid = column[column >= 0]  # a datastore document ends
+        if valid.size == 0:
+            return None
+        if self.rule == "recent":
+            token = int(valid[-1])
+            count = int((valid == token).sum())
+        else:
+            values, counts = np.unique(valid, return_counts=True)
+            best = int((counts / noise[values]).argmax()) if noise is not None else int(counts.argmax())
+            token, count = int(values[best]), int(counts[best])
+            if noise is None and self.j > 0 and 2 * count <= alive.size:
+                return None  # the majority path ends
+        self.alive = alive[column == token]
+        self.j += 1
+        return token, int(valid.size), count / valid.size
+
+
 class NgramSession(DraftSession):
-    def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None):
+    def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None,
+                 vocab_size: int | None = None):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
         self.datastore = datastore
-        self.proposal: list[int] = []  # continuation found for the current round
-        self.cursor = 0  # next proposal index to hand out
+        self.vocab_size = vocab_size  # the target's: coupled sampling's race noise rows
+        self.walk: _Walk | None = None  # this round's proposal, handed out token by token
         self.match_len = 0
         self.retrieved = False  # the proposal comes from the datastore
-        self.next_len = -1  # len(seq) at which proposal[cursor] is the next token
-        # Each token's votes: the datastore's, counted at lookup; in the request's own text,
-        # counted as tokens are handed out over the occurrences that agreed so far.
-        self.found_votes: list[int] = []
-        self.found_support: list[float] = []
-        self.text = np.zeros(0, np.int64)
-        self.alive = self.text
+        self.next_len = -1  # len(seq) at which the walk's next token is the next token
 
     def next(self, seq, params, generator, want_hidden):
-        if len(seq) != self.next_len or self.cursor >= len(self.proposal):
-            self._lookup(seq)
-            if not self.proposal:
+        noise = None
+        if params.coupled and self.vocab_size:
+            noise = race_row(params.seed, len(seq), self.vocab_size).numpy()
+        got = self.walk.next(noise) if self.walk is not None and len(seq) == self.next_len else None
+        if got is None:
+            self._lookup(seq, noise is not None)
+            got = self.walk.next(noise) if self.walk is not None else None
+            if got is None:
+                self.walk = None
                 return None
-        j = self.cursor
-        votes, support = self._votes(j)
-        self.cursor += 1
+        token, votes, support = got
         self.next_len += 1
-        return DraftToken(self.proposal[j], None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved,
-                          votes, support)
+        return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved, votes, support,
+                          float(noise[token]) if noise is not None else -1.0)
 
-    def _votes(self, j: int) -> tuple[int, float]:
-        """(occurrences voting on proposal[j], the share that continue with it)."""
-        if self.retrieved:
-            return self.found_votes[j], self.found_support[j]
-        text = self.text
-        alive = self.alive[self.alive + 1 + j < len(text)]  # occurrences whose text reaches j
-        column = text[alive + 1 + j]
-        agree = column == self.proposal[j]
-        self.alive = alive[agree]
-        return (int(column.size), float(agree.mean())) if column.size else (0, 1.0)
-
-    def _lookup(self, seq: list[int]) -> None:
+    def _lookup(self, seq: list[int], race: bool) -> None:
         arr = np.asarray(seq, dtype=np.int64)
         ends, length = suffix_matches(arr, self.max_ngram)
         if length < self.min_ngram:
             length = 0
-        start = int(ends[-1]) + 1 if length else 0  # the most recent occurrence's continuation
-        self.proposal = arr[start:start + self.lookahead].tolist() if length else []
-        self.text, self.alive = arr, ends
+        self.walk = _Walk(arr, ends, "race" if race else "recent", self.lookahead) if length else None
         self.retrieved = False
         if self.datastore is not None and length < self.max_ngram:
             found, found_len = self.datastore.match(arr[-self.max_ngram:])
             if found_len > length and found_len >= self.min_ngram:  # ties: the request's own text
-                # only for a match that wins
-                tokens, self.found_votes, self.found_support = self.datastore.continuation_votes(
-                    found, self.lookahead)
-                if tokens:
-                    self.proposal, length, self.retrieved = tokens, found_len, True
-        self.cursor, self.match_len, self.next_len = 0, length, len(seq)
+                limit = min(self.lookahead, TAIL)  # separators after the text: no range checks
+                self.walk = _Walk(self.datastore.data, voters(found), "race" if race else "majority", limit)
+                length, self.retrieved = found_len, True
+        self.match_len, self.next_len = length, len(seq)
 
     def branches(self, seq, chain, length):
         """The continuations after every earlier occurrence of the longest match in this
@@ -128,7 +156,7 @@ class NgramSession(DraftSession):
 
     def rollback(self, length: int) -> None:
         if length < self.next_len:
-            self.proposal, self.cursor, self.next_len = [], 0, -1
+            self.walk, self.next_len = None, -1
 
 
 class NgramDrafter(Drafter):
@@ -150,7 +178,7 @@ class NgramDrafter(Drafter):
         return f"{self.kind}-{self.max_ngram}" + (f"-min{self.min_ngram}" if self.min_ngram > 1 else "")
 
     def open(self, vocab_size: int | None = None) -> NgramSession:
-        return NgramSession(self.max_ngram, self.min_ngram, self.lookahead, self.datastore)
+        return NgramSession(self.max_ngram, self.min_ngram, self.lookahead, self.datastore, vocab_size)
 
 
 class RetrievalDrafter(NgramDrafter):

@@ -8,6 +8,7 @@ import torch
 from specd.drafters import EarlyExitDrafter, NgramDrafter
 from specd.models.session import KVSession, hf_forward
 from specd.models.tiny import tiny_llama
+from specd.sampling import race_row
 from specd.types import SamplingParams
 
 GREEDY = SamplingParams()
@@ -48,6 +49,26 @@ def test_ngram_tokens_carry_their_votes():
     assert (d.token, d.votes, d.support) == (6, 2, 0.5)
     d = s.next(seq + [3, 6], GREEDY, None, False)
     assert (d.token, d.votes, d.support) == (8, 1, 1.0)  # the only occurrence still agreeing
+
+
+def test_coupled_sampling_drafts_the_candidate_its_race_noise_favours():
+    """Seeded sampling draws argmax p / E (specd.sampling): among what the match's occurrences go
+    on with, the drafter proposes the v with the largest count(v) / E(v), and reports E(x)."""
+    seq = [1, 2, 3, 5, 1, 2, 4, 0, 1, 2, 3, 6, 8, 1, 2]  # after [1, 2]: 3 twice, 4 once
+    chosen = set()
+    for seed in range(30):
+        params = SamplingParams(1.0, 0, 1.0, seed, 16)
+        d = NgramDrafter().open(50).next(seq, params, None, False)
+        e = race_row(seed, len(seq), 50)
+        want = 3 if 2 / e[3] > 1 / e[4] else 4
+        assert d.token == want and d.noise == pytest.approx(float(e[want]))
+        assert d.votes == 3 and d.support == pytest.approx((2 if want == 3 else 1) / 3)
+        chosen.add(d.token)
+    assert chosen == {3, 4}  # the noise, not the most recent occurrence, decided
+    # greedy, or without the target's vocabulary size: no noise, the most recent occurrence
+    for params, vocab in ((GREEDY, 50), (SamplingParams(1.0, 0, 1.0, 0, 16), None)):
+        d = NgramDrafter().open(vocab).next(seq, params, None, False)
+        assert d.token == 3 and d.noise < 0
 
 
 def test_early_exit_equals_the_truncated_target_until_trained(tiny_target):

@@ -123,6 +123,23 @@ def test_votes_split_a_match_length_bin_and_start_from_its_estimate():
     assert p.estimate("r3i1") == pytest.approx(p.estimate(feature_bin(ngram_step(1, 3, retrieved=True))))
 
 
+def test_race_noise_splits_the_bins_under_coupled_sampling():
+    """Seeded sampling: a token the race noise favours (small E) is a better bet than the same
+    match's token the noise is against; the bins learn it and the decisions follow."""
+    p = policy(CPU)
+    step = lambda i, e: DraftStep(i, i - 1, 7, 1.0, 1.0, 0.0, None, 3, True, 10, 1.0, e)
+    assert feature_bin(step(1, 0.05)) == "r3i1v4e0" and feature_bin(step(1, 2.0)) == "r3i1v4e4"
+    assert feature_bin(model_step(1, 0.35)) == "q3"  # greedy: no noise class
+    for _ in range(30):
+        p.observe(RoundOutcome(2, 2, (0.0,) * 2, False, (), (step(1, 0.05), step(2, 0.05))))
+        p.observe(RoundOutcome(1, 0, (0.0,), False, (), (step(1, 2.0),)))
+    assert p.estimate("r3i1v4e4") < 0.1 < 0.9 < p.estimate("r3i1v4e0")
+    assert p.estimate("r3i1v4e2") == pytest.approx(p.estimate("r3i1v4"))  # unseen: the parent's
+    assert p.decide(step(1, 2.0)) is D
+    p.begin_round()
+    assert p.decide(step(1, 0.05)) is C
+
+
 def test_the_table_is_shared_state_and_forgets_slowly():
     p = policy(STEEP, memory=10.0)
     for _ in range(50):
