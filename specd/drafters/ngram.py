@@ -74,7 +74,7 @@ class _Walk:
         if self.j >= self.limit:
             return None
         text = self.text
-        alive = self.alive[self.alive + 1 + self.j < len(text)]  # the request's text ends at the match
+        alive = self.alive[self.alive + 1 + self.j < len(text)]  # own text: the continuation reaches its end
         column = text[alive + 1 + self.j]
         valid = column[column >= 0]  # a datastore document ends
         if valid.size == 0:
