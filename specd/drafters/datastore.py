@@ -46,6 +46,50 @@ def bundled_datastore_path(target_name: str) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
+class Walk:
+    """The occurrences of a match in a token text (a request's own, or a datastore's), narrowed
+    token by token to those whose text agrees with what was handed out; the n-gram drafters
+    hand out a proposal this way, one token per call, with the votes behind each.
+
+    Each next token is chosen among what the surviving occurrences go on with:
+      - "recent": what the most recent occurrence says (prompt lookup's copy of one passage);
+      - "majority": the most frequent, while more than half of them agree after the first
+        (the datastore's majority path, `Datastore.continuation`);
+      - "race": for coupled sampling, the candidate v with the largest count(v) / E(v), E the
+        request's race noise at this position (specd.sampling): the token the target draws is
+        argmax p / E, so a candidate the noise favours is the likelier winner. Any choice is
+        lossless there (verification accepts only the target's own draw).
+    """
+
+    __slots__ = ("text", "alive", "j", "rule", "limit")
+
+    def __init__(self, text: np.ndarray, ends: np.ndarray, rule: str, limit: int):
+        self.text, self.alive, self.rule, self.limit, self.j = text, ends, rule, limit, 0
+
+    def next(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
+        """(token, votes, support), or None when no occurrence goes on."""
+        if self.j >= self.limit:
+            return None
+        text = self.text
+        alive = self.alive[self.alive + 1 + self.j < len(text)]  # own text: the continuation reaches its end
+        column = text[alive + 1 + self.j]
+        valid = column[column >= 0]  # a datastore document ends
+        if valid.size == 0:
+            return None
+        if self.rule == "recent":
+            token = int(valid[-1])
+            count = int((valid == token).sum())
+        else:
+            values, counts = np.unique(valid, return_counts=True)
+            best = int((counts / noise[values]).argmax()) if noise is not None else int(counts.argmax())
+            token, count = int(values[best]), int(counts[best])
+            if noise is None and self.j > 0 and 2 * count <= alive.size:
+                return None  # the majority path ends
+        self.alive = alive[column == token]
+        self.j += 1
+        return token, int(valid.size), count / valid.size
+
+
 class Datastore:
     def __init__(self, tokens: np.ndarray, width: int = 8, meta: dict[str, str] | None = None):
         if width < 1:
@@ -128,31 +172,10 @@ class Datastore:
         """The majority path after the occurrences ending at `ends`: the most frequent next
         token, then among the occurrences that agreed the most frequent one after it, while
         more than half agree (the first token needs only to be the most frequent)."""
-        return self.continuation_votes(ends, max_len)[0]
-
-    def continuation_votes(self, ends: np.ndarray, max_len: int) -> tuple[list[int], list[int], list[float]]:
-        """The majority path (`continuation`), with each token's votes (the occurrences still
-        on the path that have a next token) and the share of them that continue with it: how
-        contested the guess is, which the cost-aware policy calibrates on."""
-        ends = voters(ends)
-        out: list[int] = []
-        votes: list[int] = []
-        support: list[float] = []
-        for j in range(1, min(max_len, TAIL) + 1):
-            column = self.data[ends + j]
-            nxt = column[column >= 0]
-            if nxt.size == 0:
-                break
-            values, counts = np.unique(nxt, return_counts=True)
-            best = int(counts.argmax())
-            if j > 1 and 2 * int(counts[best]) <= ends.size:
-                break
-            token = int(values[best])
-            out.append(token)
-            votes.append(int(nxt.size))
-            support.append(int(counts[best]) / nxt.size)
-            ends = ends[column == token]
-        return out, votes, support
+        walk, out = Walk(self.data, voters(ends), "majority", min(max_len, TAIL)), []
+        while (got := walk.next(None)) is not None:
+            out.append(got[0])
+        return out
 
     def alternatives(self, ends: np.ndarray, count: int, max_len: int) -> list[list[int]]:
         """Up to `count` continuations after the occurrences ending at `ends`, one per next

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from specd.drafters.base import Drafter, DraftSession, DraftToken
-from specd.drafters.datastore import TAIL, Datastore, voters
+from specd.drafters.datastore import TAIL, Datastore, Walk, voters
 from specd.sampling import race_row
 
 MAX_ALTERNATIVES = 4  # datastore candidates offered per round (the engine keeps up to 3 branches)
@@ -50,56 +50,13 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     return best, length
 
 
-class _Walk:
-    """The occurrences of the current match in one text (the request's own, or the datastore's),
-    narrowed token by token to those whose text agrees with what was handed out.
-
-    Each next token is chosen among what the surviving occurrences go on with:
-      - "recent": what the most recent occurrence says (prompt lookup's copy of one passage);
-      - "majority": the most frequent, while more than half of them agree after the first
-        (the datastore's majority path, Datastore.continuation);
-      - "race": for coupled sampling, the candidate v with the largest count(v) / E(v), E the
-        request's race noise at this position (specd.sampling): the token the target draws is
-        argmax p / E, so a candidate the noise favours is the likelier winner. Any choice is
-        lossless there (verification accepts only the target's own draw).
-    """
-
-    __slots__ = ("text", "alive", "j", "rule", "limit")
-
-    def __init__(self, text: np.ndarray, ends: np.ndarray, rule: str, limit: int):
-        self.text, self.alive, self.rule, self.limit, self.j = text, ends, rule, limit, 0
-
-    def next(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
-        """(token, votes, support), or None when no occurrence goes on."""
-        if self.j >= self.limit:
-            return None
-        text = self.text
-        alive = self.alive[self.alive + 1 + self.j < len(text)]  # own text: the continuation reaches its end
-        column = text[alive + 1 + self.j]
-        valid = column[column >= 0]  # a datastore document ends
-        if valid.size == 0:
-            return None
-        if self.rule == "recent":
-            token = int(valid[-1])
-            count = int((valid == token).sum())
-        else:
-            values, counts = np.unique(valid, return_counts=True)
-            best = int((counts / noise[values]).argmax()) if noise is not None else int(counts.argmax())
-            token, count = int(values[best]), int(counts[best])
-            if noise is None and self.j > 0 and 2 * count <= alive.size:
-                return None  # the majority path ends
-        self.alive = alive[column == token]
-        self.j += 1
-        return token, int(valid.size), count / valid.size
-
-
 class NgramSession(DraftSession):
     def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None,
                  vocab_size: int | None = None):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead
         self.datastore = datastore
         self.vocab_size = vocab_size  # the target's: coupled sampling's race noise rows
-        self.walk: _Walk | None = None  # this round's proposal, handed out token by token
+        self.walk: Walk | None = None  # this round's proposal, handed out token by token
         self.match_len = 0
         self.retrieved = False  # the proposal comes from the datastore
         self.next_len = -1  # len(seq) at which the walk's next token is the next token
@@ -125,13 +82,13 @@ class NgramSession(DraftSession):
         ends, length = suffix_matches(arr, self.max_ngram)
         if length < self.min_ngram:
             length = 0
-        self.walk = _Walk(arr, ends, "race" if race else "recent", self.lookahead) if length else None
+        self.walk = Walk(arr, ends, "race" if race else "recent", self.lookahead) if length else None
         self.retrieved = False
         if self.datastore is not None and length < self.max_ngram:
             found, found_len = self.datastore.match(arr[-self.max_ngram:])
             if found_len > length and found_len >= self.min_ngram:  # ties: the request's own text
                 limit = min(self.lookahead, TAIL)  # separators after the text: no range checks
-                self.walk = _Walk(self.datastore.data, voters(found), "race" if race else "majority", limit)
+                self.walk = Walk(self.datastore.data, voters(found), "race" if race else "majority", limit)
                 length, self.retrieved = found_len, True
         self.match_len, self.next_len = length, len(seq)
 

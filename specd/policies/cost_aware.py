@@ -136,8 +136,8 @@ class CostAwarePolicy(StoppingPolicy):
         return out
 
     def estimate(self, bin_: str) -> float:
-        """Calibrated P(accepted | the tokens before it in the window were). A vote bin's prior
-        is its parent's estimate, so a rare vote class starts where its match length stands."""
+        """Calibrated P(accepted | the tokens before it in the window were). A child bin's prior
+        is its parent's estimate, so a rare vote or noise class starts where its parent stands."""
         parent = parent_bin(bin_)
         if parent is not None:
             prior = self.estimate(parent)
