@@ -52,7 +52,7 @@ def test_continuation_follows_the_majority_while_it_holds():
     assert store.tokens == 23 and store.documents == 4
 
 
-def test_continuation_votes_say_how_contested_each_token_is():
+def test_retrieved_tokens_say_how_contested_they_are():
     docs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [9, 2, 3, 4, 8], [2, 3, 4, 5, 6, 1]]
     store = Datastore.from_documents(docs)
     # "2 3" occurs four times: 4 follows all four, 5 three of them, 6 two of the three
