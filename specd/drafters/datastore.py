@@ -67,7 +67,8 @@ class Walk:
         self.text, self.alive, self.rule, self.limit, self.j = text, ends, rule, limit, 0
 
     def next(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
-        """(token, votes, support), or None when no occurrence goes on."""
+        """(token, votes, support), or None when no occurrence goes on; `noise`: this position's
+        race noise, which the "race" rule needs."""
         if self.j >= self.limit:
             return None
         text = self.text
@@ -81,9 +82,9 @@ class Walk:
             count = int((valid == token).sum())
         else:
             values, counts = np.unique(valid, return_counts=True)
-            best = int((counts / noise[values]).argmax()) if noise is not None else int(counts.argmax())
+            best = int((counts / noise[values]).argmax()) if self.rule == "race" else int(counts.argmax())
             token, count = int(values[best]), int(counts[best])
-            if noise is None and self.j > 0 and 2 * count <= alive.size:
+            if self.rule == "majority" and self.j > 0 and 2 * count <= alive.size:
                 return None  # the majority path ends
         self.alive = alive[column == token]
         self.j += 1
