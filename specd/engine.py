@@ -153,8 +153,10 @@ class GenerationRun:
             raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
         if spec.relaxed and not engine.drafter.has_distribution:
             raise InvalidRequest("relaxed", "relaxed verification needs a drafter with a distribution")
-        if spec.policy == "oracle" and not self.sampling.greedy:
-            raise InvalidRequest("policy", "the oracle policy is defined for greedy decoding only")
+        if spec.policy == "oracle" and not (self.sampling.greedy or self.sampling.coupled):
+            raise InvalidRequest("policy", "the oracle policy needs greedy decoding or a seed (coupled "
+                                           "sampling): it stops before the first token the target's own "
+                                           "output rejects")
         overrides = dict(spec.policy_params)
         if spec.max_draft_tokens is not None:
             overrides["max_draft_tokens"] = spec.max_draft_tokens

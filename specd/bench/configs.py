@@ -19,6 +19,7 @@ from specd.policies import NO_SPECULATION, POLICIES, policy_class
 
 BASELINE = "ar"
 SWEEP_K = range(1, 9)
+ORACLE_SKIP = "the oracle needs a reproducible target output: greedy, or sampled with --seed (coupled)"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class BenchSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reproducible(self) -> bool:
+        """Greedy or seeded (coupled) sampling: the output is a function of the prompt alone, so
+        it is checked against `ar` and the oracle is defined."""
+        return self.greedy or self.seed is not None
 
     def validate(self) -> None:
         for p in self.policies or ():
@@ -101,7 +108,7 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
                 if s.trees and d in MODEL_FREE and p != "oracle":
                     configs.append(Config(f"{d}/{p}/tree", "engine", d, p, skip=skip, branches=TREE_BRANCHES))
         if d in MODEL_FREE and (s.policies is None or "oracle" not in s.policies):
-            reason = None if s.greedy else "the oracle is defined for greedy decoding only"
+            reason = None if s.reproducible else ORACLE_SKIP
             configs.append(Config(f"{d}/oracle", "engine", d, "oracle", skip=reason))
         if s.sweep_k:
             configs += [Config(f"{d}/constant-k{k}", "engine", d, "constant", {"k": k}) for k in SWEEP_K]
@@ -110,8 +117,8 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
 
 
 def _policy_skip(s: BenchSettings, drafter: str, policy: str, has_head: dict[str, bool]) -> str | None:
-    if policy == "oracle" and not s.greedy:
-        return "the oracle is defined for greedy decoding only"
+    if policy == "oracle" and not s.reproducible:
+        return ORACLE_SKIP
     if policy == "oracle" and drafter not in MODEL_FREE:
         return "model drafters get the computed oracle bound (see oracle)"
     if policy == "specdec++" and drafter in MODEL_FREE:

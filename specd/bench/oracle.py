@@ -1,7 +1,9 @@
 """The oracle bound (DESIGN.md §3.3; SpecDec++, Huang et al. 2024, Thm 4.1) and the cost curve.
 
 An oracle length policy knows the target's greedy output y_1..y_N. It drafts each maximal run
-of tokens the draft agrees with (teacher-forced: argmax q(. | prompt, y_<i) == y_i), capped at
+of tokens the draft agrees with (teacher-forced: argmax q(. | prompt, y_<i) == y_i; under a
+seed, coupled sampling makes y a function of the seed and the draft's token the race winner
+argmax q / E, so the same holds with that token), capped at
 the window W, and verifies once per run; verification then yields the next y as the recovered
 or bonus token. So round r emits len_r + 1 tokens, nothing is discarded, and without a cap
 V = N_target = |disagreements| + 1.
@@ -25,6 +27,8 @@ import torch
 from specd.costs import CostCurve, measure_t_draft, measure_t_target
 from specd.drafters.base import Drafter, fit_vocab
 from specd.models.loading import LoadedModel
+from specd.sampling import logits_to_probs, race_scores
+from specd.types import SamplingParams
 
 __all__ = ["CostCurve", "bound", "measure_prefill", "measure_t_draft", "measure_t_target", "oracle_rounds",
            "teacher_forced_agreement"]
@@ -57,8 +61,11 @@ def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float) -> dict:
 
 @torch.inference_mode()
 def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Sequence[int],
-                             vocab_size: int) -> list[bool]:
-    """One forward of the draft over prompt + output; agree[i] = argmax at y_i's position == y_i."""
+                             vocab_size: int, coupled: SamplingParams | None = None) -> list[bool]:
+    """One forward of the draft over prompt + output; agree[i]: the draft's token at y_i's
+    position is y_i. Greedy: its argmax. Seeded sampling (`coupled`): its race winner there,
+    argmax q / E with the seed's noise at that sequence position (specd.sampling), which is
+    the token a draft model draws in the engine."""
     session = drafter.open()
     try:
         n = len(output)
@@ -69,7 +76,10 @@ def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Se
             logits = drafter.teacher_forced_logits(seq, n)
         else:
             logits, _ = session.kv.extend(seq, n)  # [n, V]
-        pred = fit_vocab(logits, vocab_size).argmax(-1).tolist()
+        scores = fit_vocab(logits, vocab_size)
+        if coupled is not None:
+            scores = race_scores(logits_to_probs(scores, coupled), coupled.seed, len(prompt))
+        pred = scores.argmax(-1).tolist()
     finally:
         session.close()
     return [p == y for p, y in zip(pred, output)]

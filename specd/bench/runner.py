@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from specd.bench import oracle as orc
-from specd.bench.configs import BASELINE, BenchSettings, Config, build_configs
+from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, build_configs
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.metrics import peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
@@ -122,9 +122,9 @@ class BenchRun:
 
     # -- oracle -----------------------------------------------------------------------------
     def oracle(self) -> dict:
-        """Cost curve and, for greedy runs, the oracle bound of every model drafter."""
-        if not self.s.greedy:
-            return {"skipped": "the oracle bound is defined for greedy decoding only"}
+        """Cost curve and, for greedy and seeded runs, the oracle bound of every model drafter."""
+        if not self.s.reproducible:
+            return {"skipped": ORACLE_SKIP}
         first = self.prompts[0].key
         prefix = self.prompt_ids[first] + self.baseline_ids[(0, first)]
         ks, ts, _ = orc.measure_t_target(self.m.target, prefix)
@@ -143,7 +143,8 @@ class BenchRun:
 
     def _bound(self, drafter, p: BenchPrompt, curve: orc.CostCurve, window: int, t_prefill: float) -> dict:
         output = self.baseline_ids[(0, p.key)]
-        agree = orc.teacher_forced_agreement(drafter, self.prompt_ids[p.key], output, self.m.target.vocab_size)
+        agree = orc.teacher_forced_agreement(drafter, self.prompt_ids[p.key], output, self.m.target.vocab_size,
+                                             None if self.s.greedy else self.sampling)
         rounds = orc.oracle_rounds(agree, window)
         return {"prompt": p.key, "disagreements": agree.count(False),
                 **orc.bound(rounds, curve, t_prefill)}

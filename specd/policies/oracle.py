@@ -1,8 +1,10 @@
 """oracle (analysis only): stop exactly before the first token the target would reject.
 
-Given the target-only greedy continuation, the oracle drops the first draft token that
-disagrees with it, so every verified window is fully accepted and nothing is discarded
-(SpecDec++ Thm 4.1: N_target = |disagreements| + 1). Greedy decoding only.
+Given the target-only continuation, the oracle drops the first draft token that disagrees with
+it, so every verified window is fully accepted and nothing is discarded (SpecDec++ Thm 4.1:
+N_target = |disagreements| + 1). Greedy decoding, or seeded sampling: coupled draws make the
+target's output a function of (prompt, seed), and a draft token is accepted iff it equals the
+target's own token there (specd.sampling), so the same rule is exact.
 """
 
 from __future__ import annotations

@@ -130,6 +130,28 @@ def test_oracle_discards_nothing(tiny_target, tiny_draft, hf_greedy):
     assert out.stats.mean_accepted_tokens > 1.0
 
 
+def test_seeded_oracle_discards_nothing_and_matches_the_computed_bound(tiny_target, tiny_draft):
+    """Under a seed (coupled sampling) the target's output is fixed, so the oracle is exact: the
+    engine's oracle keeps every drafted token, and its rounds are the ones the bench's bound
+    computes from the draft's teacher-forced race winners."""
+    from specd.bench.oracle import oracle_rounds, teacher_forced_agreement
+    from specd.policies.oracle import OraclePolicy
+
+    sampling = SamplingParams(temperature=1.0, seed=11, max_new_tokens=N)
+    want = SpeculativeEngine(tiny_target).generate(PROMPTS[0], sampling, SpecParams("none")).token_ids
+    drafter = HfDrafter(tiny_draft, tiny_target)
+    out = SpeculativeEngine(tiny_target, drafter).generate(PROMPTS[0], sampling, SpecParams("oracle"),
+                                                            reference=want)
+    assert out.token_ids == want
+    assert out.stats.accepted == out.stats.drafted > 0
+    agree = teacher_forced_agreement(drafter, PROMPTS[0], want, tiny_target.vocab_size, sampling)
+    assert not all(agree)  # the draft's race winner is not the target's everywhere
+    rounds = oracle_rounds(agree, OraclePolicy.Params().max_draft_tokens)
+    assert sum(rounds) == out.stats.drafted and len(rounds) == out.stats.verifications
+    # greedy agreement is another thing: it must not be what the seeded bound used
+    assert teacher_forced_agreement(drafter, PROMPTS[0], want, tiny_target.vocab_size) != agree
+
+
 def test_max_new_tokens_inside_a_window(tiny_target, hf_greedy):
     """With a perfect drafter and K=5, max_new_tokens=7 falls inside the second window."""
     same = HfDrafter(tiny_target, tiny_target)

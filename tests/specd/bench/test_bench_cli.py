@@ -63,16 +63,31 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
 
 @pytest.mark.parametrize("seed", [3, None])
 def test_sampled_bench_checks_identity_when_seeded(tiny_dirs, dataset, tmp_path, specd_cli, seed):
-    """Seeded sampling is coupled, so a seeded run's output must equal the target alone's; an
-    unseeded one has no reference to equal."""
+    """Seeded sampling is coupled, so a seeded run's output must equal the target alone's, and
+    the oracle is defined (measured for n-gram, computed for the model drafter); an unseeded one
+    has no reference to equal and no oracle."""
     out = tmp_path / "out"
     extra = ["--seed", str(seed)] if seed is not None else []
-    code, _, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--limit", "2", "--temperature", "1.0",
-                                        "--policies", "constant", "--baselines", "ar", *extra))
+    argv = bench_args(tiny_dirs, dataset, out, "--limit", "2", "--temperature", "1.0",
+                      "--policies", "constant", "--baselines", "ar", *extra)
+    argv[argv.index("--drafter") + 1] = "hf,ngram"
+    code, _, err = specd_cli(argv)
     assert code == 0, err
-    agg = json.loads((out / "results.json").read_text())["aggregates"]["hf/constant"]
+    doc = json.loads((out / "results.json").read_text())
+    agg = doc["aggregates"]["hf/constant"]
     assert agg["identical"] is (True if seed is not None else None)
     assert agg["acceptance_rate"] > 0
+    skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
+    if seed is None:
+        assert "--seed" in skipped["ngram/oracle"] and "--seed" in doc["oracle"]["skipped"]
+        return
+    assert not skipped
+    oracle = doc["aggregates"]["ngram/oracle"]
+    assert oracle["identical"] is True and oracle["discard_rate"] == 0.0
+    bound = doc["oracle"]["drafters"]["hf"]
+    for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
+        assert rec["new_tokens"] == base["new_tokens"] and rec["verifications"] <= rec["disagreements"] + 1
+    assert agg["oracle_fraction"] > 0
 
 
 def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
