@@ -10,8 +10,9 @@
   (assistant_confidence_threshold, re-fitted from an ROC curve; transformers only adapts it
   when scikit-learn is installed, which results.json records).
 Assisted peers use the separate draft model (--drafter hf --draft-model) or, for the
-early-exit drafter with an untrained adapter, a transformers model made of the target's own
-first k layers, norm and head (the same drafter); otherwise they are skipped with a reason.
+early-exit drafter, a transformers model that is that drafter: the target's own first k layers
+(and the adapter's extra layer), norm, adapter and head over the drafter's vocabulary;
+otherwise they are skipped with a reason.
 """
 
 from __future__ import annotations
@@ -46,29 +47,41 @@ def sklearn_available() -> bool:
 def skip_reason(peer: str, draft_model: LoadedModel | None) -> str | None:
     """Why a peer cannot run with these models, or None."""
     if peer in _ASSISTANT_FIELDS and draft_model is None:
-        return ("needs a separate draft model (--drafter hf --draft-model DIR) or the early-exit "
-                "drafter with an untrained adapter")
+        return "needs a separate draft model (--drafter hf --draft-model DIR) or the early-exit drafter"
     return None
 
 
 def early_exit_assistant(drafter) -> LoadedModel:
-    """The early-exit drafter as a transformers model sharing the target's weights (its adapter
-    is the identity while untrained, so this is the same drafter), for assisted generation."""
+    """The early-exit drafter as a transformers model sharing its modules, for assisted
+    generation: the same layers (the `layer` adapter's extra one included, so the assistant's
+    cache has a slot for it), and a head that applies the adapter and the drafter's vocabulary
+    (-inf outside a reduced one), so its logits are the drafter's."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
     target = drafter.target
     config = copy.deepcopy(target.model.config)
-    config.num_hidden_layers = drafter.layers
+    config.num_hidden_layers = len(drafter.decoder.layers)
     with torch.device("meta"):
         shallow = AutoModelForCausalLM.from_config(config)
     shallow.model = drafter.decoder
-    shallow.lm_head = drafter.lm_head
+    shallow.lm_head = _DraftHead(drafter)
     shallow.generation_config = copy.deepcopy(target.model.generation_config)
     shallow.eval()
     return LoadedModel(drafter.name, shallow, target.tokenizer, target.device, target.max_context,
                        target.eos_token_ids)
+
+
+class _DraftHead(torch.nn.Module):
+    """The early-exit drafter's adapter and head as the assistant's lm_head."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter  # a plain object, not a submodule: the weights stay the drafter's
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drafter.vocab_logits(self.drafter.adapter(h))
 
 
 class PeerRunner:

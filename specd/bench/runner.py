@@ -37,7 +37,7 @@ def load_models(s: BenchSettings) -> Models:
                    if s.draft_model else None)
     drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter, s.datastore)
                 for d in s.drafters}
-    if draft_model is None and "early-exit" in drafters and s.draft_adapter is None:
+    if draft_model is None and "early-exit" in drafters:
         draft_model = early_exit_assistant(drafters["early-exit"])  # the peers' assistant
     return Models(target, draft_model, drafters, _heads(drafters, target))
 
