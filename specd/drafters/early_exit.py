@@ -17,6 +17,11 @@ q; verification stays exact because the target's residual covers them.
 
 An adapter file (safetensors) records its layers, kind and rank in its metadata, so
 `--draft-adapter PATH` alone configures the drafter.
+
+Draft sessions run specd's lean forward over the drafter's layers wherever the target's
+sessions do (a float32 Llama on the CPU; specd/models/lean.py): the same logits as
+transformers' forward, without its per-call overhead, which is most of a shallow model's
+step there. `forward` (transformers', any cache) stays for training and analysis.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab, read_adapter_meta, shallow_decoder
 from specd.errors import InvalidRequest, ModelError
+from specd.models.lean import LeanLlama
 from specd.models.loading import LoadedModel
 from specd.models.session import KVSession
 
@@ -86,6 +92,7 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
             self.extra_layer = copy.deepcopy(base.layers[layers]).to(target.device).eval()
             kept.append(self.extra_layer)
         self.decoder = shallow_decoder(base, kept)
+        self._lean: LeanLlama | None = None  # built by the first lean session
         self.lm_head = target.model.get_output_embeddings()
         self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
         self.set_vocab(None)  # ReducedVocab: a trained adapter may bring its own
@@ -120,8 +127,19 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         h = self.adapter(h[0, -num_logits:])
         return self.vocab_logits(h), (h if want_hidden else None)
 
+    def lean_forward(self, input_ids, cache, num_logits, want_hidden):
+        """`forward` through the lean Llama forward: cache is its FlatCache."""
+        h = self.adapter(self._lean.hidden(input_ids, cache, num_logits)[0])
+        return self.vocab_logits(h), (h if want_hidden else None)
+
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
-        return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size or self.target.vocab_size)
+        vocab_size = vocab_size or self.target.vocab_size
+        if self.target.forward_kind() != "lean":
+            return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size)
+        if self._lean is None:
+            self._lean = LeanLlama(self.target.model, list(self.decoder.layers))
+        # new_cache re-fuses weights that changed since the last session (training the layer adapter)
+        return ModelDraftSession(KVSession(self.lean_forward, self.target.device, self._lean.new_cache()), vocab_size)
 
 
 def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -148,13 +148,18 @@ def _fused(layers: list[torch.nn.Linear]):
 
 class LeanLlama:
     """The lean forward of one transformers Llama model (reads its weights; copies q/k/v and
-    gate/up once, concatenated). Call `forward` as a specd ForwardFn."""
+    gate/up once, concatenated). Call `forward` as a specd ForwardFn.
 
-    def __init__(self, model: torch.nn.Module):
+    layers: the decoder layers to run (default the model's own); an early-exit drafter passes
+    the target's first k layers and its adapter layer, and reads `hidden`, the final-normed
+    state, instead of the logits."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None):
         assert supports(model), "lean forward: not a plain Llama model"
         config = model.config
         inner = model.model
         self.model = model
+        self.decoder_layers = list(inner.layers if layers is None else layers)
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.lm_head = model.lm_head
@@ -165,14 +170,14 @@ class LeanLlama:
         self.scaling = self.head_dim ** -0.5
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self._sources = [(layer.self_attn, layer.mlp) for layer in inner.layers]
+        self._sources = [(layer.self_attn, layer.mlp) for layer in self.decoder_layers]
         self._fuse()
         self.inv_freq = inner.rotary_emb.inv_freq
         self.rope_scale = inner.rotary_emb.attention_scaling
 
     def _fuse(self) -> None:
         self.layers = []
-        for layer in self.model.model.layers:
+        for layer in self.decoder_layers:
             a, m = layer.self_attn, layer.mlp
             qkv, gate_up = _fused([a.q_proj, a.k_proj, a.v_proj]), _fused([m.gate_proj, m.up_proj])
             self.layers.append((layer.input_layernorm, qkv, a.o_proj, layer.post_attention_layernorm, gate_up,
@@ -230,6 +235,13 @@ class LeanLlama:
 
     def forward(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int, want_hidden: bool,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+        h = self.hidden(input_ids, cache, num_logits, attention_mask, position_ids)
+        logits = self.lm_head(h)
+        return logits[0], (h[0] if want_hidden else None)
+
+    def hidden(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int,
+               attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states [1, num_logits, H] of the last positions."""
         assert input_ids.shape[0] == 1, "the lean forward runs one sequence"
         past = cache.lens[0]
         t = input_ids.shape[1]
@@ -260,6 +272,4 @@ class LeanLlama:
             gate_up = gate_up_proj(x)
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + down_proj(F.silu(gate) * up)
-        h = self._rms(self.norm, h[:, -num_logits:])
-        logits = self.lm_head(h)
-        return logits[0], (h[0] if want_hidden else None)
+        return self._rms(self.norm, h[:, -num_logits:])

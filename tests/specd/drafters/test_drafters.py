@@ -7,7 +7,7 @@ import torch
 
 from specd.drafters import EarlyExitDrafter, NgramDrafter
 from specd.models.session import KVSession, hf_forward
-from specd.models.tiny import tiny_llama
+from specd.models.tiny import loaded, tiny_llama
 from specd.sampling import race_row
 from specd.types import SamplingParams
 
@@ -100,3 +100,44 @@ def test_early_exit_adapter_round_trip(tiny_target, tmp_path):
     a, _ = drafter.forward(ids, DynamicCache(), 1, False)
     b, _ = again.forward(ids, DynamicCache(), 1, False)
     torch.testing.assert_close(a, b)
+
+
+def test_early_exit_sessions_run_lean_and_draft_what_transformers_computes(tiny_target):
+    """Draft sessions on a float32 CPU target run the lean forward over the drafter's layers:
+    the same logits and hidden states as transformers' forward, to the bit, over windows and
+    rollbacks, with the `layer` adapter and a reduced draft vocabulary; and after the adapter
+    layer is changed (training), the next session computes with the new weights."""
+    from specd.models.lean import FlatCache
+
+    drafter = EarlyExitDrafter(tiny_target, layers=2, adapter="layer")
+    drafter.set_vocab(torch.arange(0, tiny_target.vocab_size, 3))
+    with torch.no_grad():
+        drafter.adapter.up.weight.normal_(std=0.05)
+
+    def walk() -> None:
+        lean = drafter.open().kv
+        assert isinstance(lean.cache, FlatCache)
+        hf = KVSession(drafter.forward, tiny_target.device)
+        gen = torch.Generator().manual_seed(0)
+        for s in (hf, lean):
+            s.extend(list(range(3, 23)), 1)
+        for step in range(12):
+            n = int(torch.randint(1, 6, (1,), generator=gen))
+            toks = torch.randint(0, tiny_target.vocab_size, (n,), generator=gen).tolist()
+            (la, ha), (lb, hb) = hf.extend(toks, n, want_hidden=True), lean.extend(toks, n, want_hidden=True)
+            assert torch.equal(la, lb) and torch.equal(ha, hb), f"step {step}"
+            if step % 3 == 0:
+                back = hf.length - int(torch.randint(0, n + 1, (1,), generator=gen))
+                hf.rollback(back)
+                lean.rollback(back)
+
+    walk()
+    before = drafter.open().kv.extend([3, 4, 5], 1)[0]
+    with torch.no_grad():
+        drafter.extra_layer.self_attn.v_proj.weight.mul_(1.5)
+        drafter.extra_layer.mlp.gate_proj.weight.add_(0.02)
+    assert not torch.equal(drafter.open().kv.extend([3, 4, 5], 1)[0], before)
+    walk()
+    # a target that runs transformers' forward gets transformers' forward in its drafter too
+    hf_target = loaded(tiny_target.model, "hf-target", forward="hf")
+    assert not isinstance(EarlyExitDrafter(hf_target, layers=2).open().kv.cache, FlatCache)
