@@ -81,7 +81,7 @@ class _DraftHead(torch.nn.Module):
         self.drafter = drafter  # a plain object, not a submodule: the weights stay the drafter's
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.drafter.vocab_logits(self.drafter.adapter(h))
+        return self.drafter.head_logits(h)[0]
 
 
 class PeerRunner:

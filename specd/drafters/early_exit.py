@@ -124,14 +124,15 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
 
     def forward(self, input_ids, cache, num_logits, want_hidden):
         h = self.decoder(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state
-        return self._head(h[0, -num_logits:], want_hidden)
+        return self.head_logits(h[0, -num_logits:], want_hidden)
 
     def lean_forward(self, input_ids, cache, num_logits, want_hidden):
         """`forward` through the lean Llama forward: cache is its FlatCache."""
-        return self._head(self._lean.hidden(input_ids, cache, num_logits)[0], want_hidden)
+        return self.head_logits(self._lean.hidden(input_ids, cache, num_logits)[0], want_hidden)
 
-    def _head(self, h: torch.Tensor, want_hidden: bool):
-        """Adapter and draft-vocabulary head on the final-normed shallow state [n, H]."""
+    def head_logits(self, h: torch.Tensor, want_hidden: bool = False):
+        """Adapter and draft-vocabulary head on the final-normed shallow state [n, H]: logits
+        (and the adapted state, the DVI LoRA's input, if wanted)."""
         h = self.adapter(h)
         return self.vocab_logits(h), (h if want_hidden else None)
 
