@@ -43,9 +43,10 @@ def _load_model(args, spec: str):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct) or a local transformers directory")
-    p.add_argument("--drafter", help="hf | early-exit | ngram | retrieval | feature (default: retrieval "
-                                     "where specd ships a datastore for the target, the embedded one, "
-                                     "else ngram; train-head's: early-exit; bench takes a comma list)")
+    p.add_argument("--drafter", help="hf | early-exit | ngram | retrieval | feature | hybrid (early-exit's "
+                                     "chain with retrieval's proposal beside it in a draft tree) (default: "
+                                     "retrieval where specd ships a datastore for the target, the embedded "
+                                     "one, else ngram; train-head's: early-exit; bench takes a comma list)")
     p.add_argument("--draft-model", help="local transformers directory for --drafter hf")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the target used by early-exit")
     p.add_argument("--draft-adapter", help="trained early-exit adapter or feature head (safetensors; "
@@ -96,8 +97,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--max-draft-tokens", type=int, help="hard cap on tokens drafted per round")
     g.add_argument("--relaxed", action="store_true", help="AdaSD relaxed verification (LOSSY, adasd only)")
     g.add_argument("--branches", type=int,
-                   help="side branches verified beside the drafted chain as a draft tree (ngram, retrieval; "
-                        "default 0: chains only; trees were slower on the 2-core CPU, docs/engine.md)")
+                   help="side branches verified beside the drafted chain as a draft tree (ngram, retrieval, "
+                        "hybrid; default 0: chains only, trees were slower on the 2-core CPU, docs/engine.md; "
+                        "hybrid's default 2: its lookup branches)")
     g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
                                                        "head for the embedded early-exit-4 pair)")
     g.add_argument("--task-tag", default="default", help="key of the shared adaptive policy state")

@@ -176,7 +176,7 @@ class GenerationRun:
         branches = drafter.branches if spec.branches is None else spec.branches
         if branches and not drafter.branch_length:
             raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
-                                             "draft trees need a lookup drafter (ngram, retrieval)")
+                                             "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
         # The oracle's chain is right by construction; relaxed verification and the target's
         # features are defined for chains.
         if spec.policy == "oracle" or spec.relaxed or self.feed_features:
@@ -201,7 +201,7 @@ class GenerationRun:
             tree = self._tree(committed, drafts)
             stats.draft_time_s += time.perf_counter() - t0  # the alternatives' lookups are drafting
             if len(tree) > k:
-                return self._tree_round(committed, tree, steps, dropped, hit_cap)
+                return self._tree_round(committed, tree, qs, steps, dropped, hit_cap)
 
         t0 = time.perf_counter()
         start = self.target_kv.length
@@ -270,7 +270,8 @@ class GenerationRun:
             return tree
         room = self.max_len - committed - 1  # a path of n nodes emits n + 1 tokens
         chosen: list[list[int]] = []
-        for branch in self.draft_session.branches(self.seq[:committed], drafts, self.branch_length):
+        for branch in self.draft_session.branches(self.seq[:committed], drafts, self.branch_length,
+                                                      self.sampling):
             branch = branch[:min(room, self.branch_length)]
             if branch and branch != drafts[:len(branch)] and branch not in chosen:
                 chosen.append(branch)
@@ -297,8 +298,8 @@ class GenerationRun:
                 best, best_rate = s, rate
         return best
 
-    def _tree_round(self, committed: int, tree: DraftTree, steps: list[DraftStep], dropped: DraftStep | None,
-                    hit_cap: bool) -> list[int]:
+    def _tree_round(self, committed: int, tree: DraftTree, qs: list, steps: list[DraftStep],
+                    dropped: DraftStep | None, hit_cap: bool) -> list[int]:
         seq, stats = self.seq, self.stats
         k = tree.main
         del seq[committed:]  # the chain's drafts leave the committed sequence until verified
@@ -313,7 +314,8 @@ class GenerationRun:
             verdict = verify_tree_greedy(race_scores(p, sampling.seed, [committed + o for o in tree.row_offsets()]),
                                          tree)
         else:
-            verdict = verify_tree_sampling(logits_to_probs(logits, sampling), tree, self.generator)
+            chain_q = qs if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
+            verdict = verify_tree_sampling(logits_to_probs(logits, sampling), tree, self.generator, chain_q)
         path = verdict.path
         n, n_main = len(path), tree.main_prefix(verdict.path)
         self.target_kv.keep_path(committed, path)

@@ -19,7 +19,11 @@ Verification walks from the root (the last committed token) down the target's ch
     probability r(c_j) / sum(r), where r is p with the children already refused removed;
     when all are refused, sample from what is left of p. The emitted token is distributed
     exactly as p (this is sampling from p, asked one candidate at a time), so a tree is as
-    lossless as a chain; with one child it is the chain's rule (accept x with p(x)).
+    lossless as a chain; with one child it is the chain's rule (accept x with p(x)). A chain
+    drafted from a distribution q (the hybrid drafter's model chain) keeps its own rule at its
+    nodes, judged first: accept x with min(1, p(x) / q(x)), else r = max(p - q, 0), the
+    residual a refused chain token leaves, which its point-mass siblings are then asked from
+    (SpecInfer's multi-draft rule with one q).
 """
 
 from __future__ import annotations
@@ -131,8 +135,14 @@ def verify_tree_greedy(logits: torch.Tensor, tree: DraftTree) -> TreeVerdict:
         node = child
 
 
-def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> TreeVerdict:
-    """p [len(tree) + 1, V] target probabilities; every node a point-mass draft."""
+def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Generator | None,
+                         qs: list[torch.Tensor] | None = None) -> TreeVerdict:
+    """p [len(tree) + 1, V] target probabilities. qs: the draft distributions of the policy's
+    chain (node i < tree.main drawn from qs[i]; None: every node a point mass). A chain node is
+    judged first among its siblings with the chain's rule (accept x with min(1, p(x) / q(x)),
+    else go on with the residual max(p - q, 0)); the point-mass siblings are then asked one at
+    a time against what is left, so the emitted token is distributed exactly as p. (A chain
+    node is always its parent's first child: `from_chain` adds the chain before any branch.)"""
     path, node = [], -1
     while True:
         kids = tree.children.get(node, {})
@@ -143,6 +153,13 @@ def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Gene
         u = torch.rand(len(kids), generator=generator, device=p.device).tolist()
         accepted = None
         for j, (token, child) in enumerate(kids.items()):
+            if qs is not None and child < tree.main:  # the chain's node: x drawn from q
+                q = qs[child]
+                if u[j] * float(q[token]) <= float(row[token]):
+                    accepted = child
+                    break
+                residual = torch.clamp(row - q, min=0.0)
+                continue
             total = float(residual.sum())
             if total <= 0:
                 break

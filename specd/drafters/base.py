@@ -49,10 +49,11 @@ class DraftSession(ABC):
     def rollback(self, length: int) -> None:
         """Only seq[:length] is still valid."""
 
-    def branches(self, seq: list[int], chain: list[int], length: int) -> list[list[int]]:
+    def branches(self, seq: list[int], chain: list[int], length: int,
+                 params: SamplingParams | None = None) -> list[list[int]]:
         """Alternative continuations of seq (the committed tokens), best first, up to `length`
         tokens each, for a draft tree beside `chain`, the window just drafted (only asked of
-        drafters whose `branch_length` is non-zero)."""
+        drafters whose `branch_length` is non-zero); params: the request's sampling."""
         return []
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:

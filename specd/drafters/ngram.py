@@ -92,7 +92,7 @@ class NgramSession(DraftSession):
                 length, self.retrieved = found_len, True
         self.match_len, self.next_len = length, len(seq)
 
-    def branches(self, seq, chain, length):
+    def branches(self, seq, chain, length, params=None):
         """The continuations after every earlier occurrence of the longest match in this
         request's text (most recent first, one per next token), then the datastore's
         alternatives; the engine merges them with `chain` and keeps the first few that differ."""

@@ -14,6 +14,7 @@ from specd.drafters import (
     EarlyExitDrafter,
     FeatureDrafter,
     HfDrafter,
+    HybridDrafter,
     NgramDrafter,
     RetrievalDrafter,
 )
@@ -29,8 +30,10 @@ N = 32
 
 
 def drafters(target, draft, store=None):
+    store = store or Datastore.from_documents([])
     return {"hf": HfDrafter(draft, target), "early-exit": EarlyExitDrafter(target, 2), "ngram": NgramDrafter(),
-            "feature": FeatureDrafter(target), "retrieval": RetrievalDrafter(store or Datastore.from_documents([]))}
+            "feature": FeatureDrafter(target), "retrieval": RetrievalDrafter(store),
+            "hybrid": HybridDrafter(HfDrafter(draft, target), RetrievalDrafter(store))}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def random_head(tiny_target):
     return AcceptanceHead(tiny_target.model.config.hidden_size, depth=2, width=32).eval()
 
 
-@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "retrieval", "feature"])
+@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "retrieval", "feature", "hybrid"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_greedy_equals_target_alone(tiny_target, tiny_draft, tiny_store, hf_greedy, random_head, policy,
                                     drafter_kind):
@@ -72,13 +75,13 @@ def test_greedy_equals_target_alone(tiny_target, tiny_draft, tiny_store, hf_gree
 SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=11, max_new_tokens=N)
 
 
-@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "retrieval", "feature"])
+@pytest.mark.parametrize("drafter_kind", ["hf", "early-exit", "ngram", "retrieval", "feature", "hybrid"])
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"oracle"}))
 def test_seeded_sampling_equals_target_alone(tiny_target, tiny_draft, tiny_store, random_head, policy,
                                              drafter_kind):
     """With a seed, sampled output is token for token what the target alone samples with it
     (specd.sampling's coupling), whatever the drafter and policy proposed; the lookup drafters
-    also through draft trees on a flat cost curve."""
+    also through draft trees on a flat cost curve (the hybrid's are on by default)."""
     if policy == "specdec++" and drafter_kind in ("ngram", "retrieval"):
         pytest.skip("specdec++ reads a draft model's hidden state; the n-gram drafters have none")
     drafter = drafters(tiny_target, tiny_draft, tiny_store)[drafter_kind]
@@ -286,6 +289,21 @@ def test_draft_trees_are_lossless_and_their_branches_are_taken(tiny_target, tiny
         assert s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted
         rounds, taken = rounds + s.tree_rounds, taken + s.branch_accepted
     assert rounds > 0 and taken > 0
+
+
+def test_hybrid_keeps_tokens_from_the_models_chain_and_the_lookup_branch(tiny_target, tiny_draft, tiny_store,
+                                                                        hf_greedy):
+    """The hybrid verifies the draft model's chain and retrieval's proposal in one tree: the
+    target keeps tokens of both, and the output is its own."""
+    rounds = chain = taken = 0
+    for prompt in PROMPTS:
+        hybrid = HybridDrafter(HfDrafter(tiny_draft, tiny_target), RetrievalDrafter(tiny_store))
+        out = SpeculativeEngine(tiny_target, hybrid, costs=flat()).generate(
+            prompt, SamplingParams(max_new_tokens=N), SpecParams("constant"))
+        assert out.token_ids == hf_greedy(tiny_target.model, prompt, N)
+        s = out.stats
+        rounds, taken, chain = rounds + s.tree_rounds, taken + s.branch_accepted, chain + sum(s.judged_accepted)
+    assert rounds > 0 and taken > 0 and chain > 0
 
 
 def test_draft_trees_size_themselves_on_the_cost_curve(tiny_target, tiny_store):

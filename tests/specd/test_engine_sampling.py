@@ -213,3 +213,32 @@ def test_draft_trees_sample_the_target(pair):
     assert branch_paths > 50
     assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
     assert pooled_chisquare(second, joint, RUNS) > 1e-3
+
+
+def test_hybrid_trees_sample_the_target(pair):
+    """A draft model's sampled chain with lookup siblings beside it (the hybrid drafter): the
+    chain's node keeps its q rule, the siblings are asked against its residual, and the first
+    two tokens still follow the target's joint distribution through both kinds of path."""
+    from specd.costs import CostCurve
+    from specd.drafters import Datastore, HybridDrafter, RetrievalDrafter
+
+    target, draft = pair
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    joint = exact_two_token(target.model, params)
+    order = np.argsort(-joint.sum(1))
+    docs = [PROMPT + [int(a), int(joint[a].argmax())] for a in order[:3]]
+    flat = CostCurve(0.0, list(range(1, 18)), [0.01] * 17)
+    hybrid = HybridDrafter(HfDrafter(draft, target), RetrievalDrafter(Datastore.from_documents(docs)))
+    engine = SpeculativeEngine(target, hybrid, costs=flat)
+    first, second = Counter(), Counter()
+    chain_paths = branch_paths = 0
+    for run in range(RUNS):
+        out = unseeded(engine, run, params, SpecParams("constant", policy_params={"k": 2}))
+        t0, t1 = out.token_ids
+        first[t0] += 1
+        second[t0 * V + t1] += 1
+        branch_paths += out.stats.branch_accepted
+        chain_paths += any(out.stats.judged_accepted)
+    assert branch_paths > 50 and chain_paths > 50
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3

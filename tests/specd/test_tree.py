@@ -131,3 +131,49 @@ def test_tree_sampling_emits_tokens_distributed_as_p():
     assert all(counts[t] for t in (3, 0, 5, 1))  # accepted, and recovered from the residual
     assert pvalue(counts) > 1e-3
     assert pvalue(first_tokens(wrong_rule, tree)) < 1e-3  # the negative control fails
+
+
+
+Q = torch.tensor([0.05, 0.10, 0.05, 0.60, 0.10, 0.10])  # the chain's draft distribution at the root
+
+
+def chain_first_tokens(rule) -> Counter:
+    """First emitted tokens of a tree whose chain token x is drawn from Q each run, with the
+    point-mass siblings 0, 5 and 3 (those that differ from x) beside it."""
+    p = P.expand(8, -1).clone()
+    g = torch.Generator().manual_seed(1)
+    counts = Counter()
+    for _ in range(RUNS):
+        x = int(torch.multinomial(Q, 1, generator=g))
+        tree = DraftTree.from_chain([x, 1 if x != 1 else 2])
+        for c in (0, 5, 3):
+            if c != x:
+                tree.add([c, 4], 4)
+        v = rule(p[:len(tree) + 1], tree, g, [Q, Q])
+        counts[tree.tokens[v.path[0]] if v.path else v.next_token] += 1
+    return counts
+
+
+def siblings_against_p(p, tree, g, qs):
+    """Judges the chain token with its own rule, then asks the siblings against p instead of
+    the residual max(p - q, 0) the refused chain token leaves."""
+    from specd.tree import TreeVerdict
+
+    x = tree.tokens[0]
+    if float(torch.rand(1, generator=g)) * float(qs[0][x]) <= float(p[0, x]):
+        return TreeVerdict([0], 0)
+    siblings = DraftTree()
+    for token in list(tree.children[-1])[1:]:
+        siblings.add([token], 1)
+    v = verify_tree_sampling(p[:len(siblings) + 1], siblings, g)
+    return TreeVerdict([tree.children[-1][siblings.tokens[v.path[0]]]] if v.path else [], v.next_token)
+
+
+def test_tree_sampling_keeps_the_chains_rule_beside_point_mass_siblings():
+    """The hybrid drafter's tree: a chain token drawn from q with lookup siblings beside it.
+    The chain's node is judged with min(1, p / q), its siblings against the residual; the
+    emitted token is distributed as p, and ignoring the residual is caught."""
+    counts = chain_first_tokens(verify_tree_sampling)
+    assert all(counts[t] for t in range(len(P)))
+    assert pvalue(counts) > 1e-3
+    assert pvalue(chain_first_tokens(siblings_against_p)) < 1e-3  # the negative control fails
