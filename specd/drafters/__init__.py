@@ -41,7 +41,8 @@ def build_drafter(kind: str, target: LoadedModel, draft_model: LoadedModel | Non
     if kind == "retrieval":
         return _retrieval(target, datastore, target_name)
     if kind == "hybrid":  # early-exit's chain, retrieval's proposal beside it in a draft tree
-        return HybridDrafter(_early_exit(target, draft_layers, adapter_path), _retrieval(target, datastore, None))
+        return HybridDrafter(_early_exit(target, draft_layers, adapter_path),
+                             _retrieval(target, datastore, None))
     if kind == "feature":  # adapter_path: the trained head (specd train-drafter --kind feature)
         return FeatureDrafter(target, None if str(adapter_path) == NO_ADAPTER else adapter_path)
     raise InvalidRequest("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
@@ -56,7 +57,8 @@ def _early_exit(target: LoadedModel, draft_layers: int, adapter_path: str | Path
     return EarlyExitDrafter(target, draft_layers, adapter_path)
 
 
-def _retrieval(target: LoadedModel | None, datastore: str | Path | None, target_name: str | None) -> RetrievalDrafter:
+def _retrieval(target: LoadedModel | None, datastore: str | Path | None,
+               target_name: str | None) -> RetrievalDrafter:
     """datastore: specd train-drafter --kind datastore; default: the one bundled for the target."""
     name = target.name if target is not None else target_name
     if datastore is None:
@@ -69,4 +71,5 @@ def _retrieval(target: LoadedModel | None, datastore: str | Path | None, target_
 
 
 __all__ = ["DRAFTERS", "MODEL_FREE", "Datastore", "DraftSession", "DraftToken", "Drafter", "EarlyExitDrafter",
-           "FeatureDrafter", "HfDrafter", "HybridDrafter", "NgramDrafter", "RetrievalDrafter", "build_drafter", "default_drafter"]
+           "FeatureDrafter", "HfDrafter", "HybridDrafter", "NgramDrafter", "RetrievalDrafter", "build_drafter",
+           "default_drafter"]

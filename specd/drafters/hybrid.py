@@ -55,7 +55,8 @@ class HybridDrafter(Drafter):
 
     def __init__(self, model: Drafter, lookup: NgramDrafter):
         if not model.has_distribution or lookup.has_distribution:
-            raise ValueError("a hybrid drafter pairs a model drafter's chain with a lookup drafter's branches")
+            raise ValueError("a hybrid drafter pairs a model drafter's chain with a lookup drafter's "
+                             "branches")
         self.model, self.lookup = model, lookup
 
     @property

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from specd.drafters import Datastore, EarlyExitDrafter, HybridDrafter, NgramDrafter, RetrievalDrafter, build_drafter
+from specd.drafters import (
+    Datastore,
+    EarlyExitDrafter,
+    HybridDrafter,
+    NgramDrafter,
+    RetrievalDrafter,
+    build_drafter,
+)
 from specd.errors import InvalidRequest
 from specd.models.session import KVSession
 from specd.types import SamplingParams
