@@ -229,6 +229,10 @@ class RequestLoop:
                 if source == "draft" and msg.WhichOneof("kind") == "closed":
                     self.policy_state = dict(msg.closed.policy_state)
                     self.stats.drafted_total = msg.closed.num_drafted
+                    # Let the service end the call itself: cancelling it now (close() does)
+                    # would cut the handler off after its last message, a clean close
+                    # counted as a cancelled one.
+                    await asyncio.wait_for(self.draft_call.code(), 5.0)
                     return
                 if source != "draft":
                     return

@@ -6,6 +6,7 @@ per-position counts sum to the totals, histograms count what happened)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -261,3 +262,30 @@ def test_invalid_grpc_calls_are_counted_with_their_code(target_service):
     assert asyncio.run(run()) == grpc.StatusCode.INVALID_ARGUMENT
     eventually(lambda: total(reg, "specd_grpc_requests_total", method="Session", code="INVALID_ARGUMENT") > before)
     assert total(reg, "specd_grpc_requests_total", method="Session", code="INVALID_ARGUMENT") == before + 1
+
+
+def test_a_finished_request_ends_its_draft_session_with_ok(target_service, hf_draft_service):
+    """The coordinator half-closes the draft stream and waits for the service's status before
+    it lets the call go, so a clean finish is an OK session on the draft service by the time
+    the request's last event is out, never a cancelled one (it was, when the client cancelled
+    the call as soon as the `closed` message arrived)."""
+    d_reg = hf_draft_service.servicer.registry
+
+    def sessions(code: str) -> float:
+        return total(d_reg, "specd_grpc_requests_total", method="Session", code=code)
+
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
+                            AsyncMemoryStateStore(), new_registry())
+        await coord.connect()
+        try:
+            for overlap in (False, True) * 25:
+                ok, cancelled = sessions("OK"), sessions("CANCELLED")
+                request = dataclasses.replace(_request("constant", 8), overlap=overlap)
+                finishes = await _requests(coord, [request])
+                assert finishes[0].finish_reason == "length" and not finishes[0].spec_stats["fallback"]
+                assert (sessions("OK") - ok, sessions("CANCELLED") - cancelled) == (1, 0), overlap
+        finally:
+            await coord.close()
+
+    asyncio.run(run())
