@@ -165,8 +165,11 @@ class RequestLoop:
         self.stats.wall_time_s = time.perf_counter() - self.started if self.started else 0.0
         self.stats.new_tokens = len(self.seq) - len(self.cfg.prompt)
         self.stats.finish_reason = self.finish_reason or "cancelled"
-        if self.finish_reason is not None and self.draft_call is not None and not self.stats.fallback:
-            await self._close_draft()
+        if self.finish_reason is not None:  # a normal finish: end both sessions as meant, at once
+            closing = [self._close_target()]
+            if self.draft_call is not None and not self.stats.fallback:
+                closing.append(self._close_draft())
+            await asyncio.gather(*closing)
         for call in (self.draft_call, self.target_call):
             if call is not None:
                 call.cancel()
@@ -220,6 +223,17 @@ class RequestLoop:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._fall_back(f"draft service: {e}", "failed")
 
+    async def _close_target(self) -> None:
+        """Close, then wait for the service to end the call: cancelling a finished session
+        would count every request as a cancelled call on the target's gRPC series. No
+        verification is outstanding at a normal finish, so this is one round trip."""
+        try:
+            await self.target_call.write(target_pb2.TargetRequest(close=target_pb2.CloseTarget()))
+            await self.target_call.done_writing()
+            await asyncio.wait_for(self.target_call.code(), 5.0)
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            log.warning("target session did not close cleanly: %s", e)
+
     async def _close_draft(self) -> None:
         try:
             await self.draft_call.write(draft_pb2.DraftRequest(close=draft_pb2.CloseDraft()))
@@ -234,8 +248,8 @@ class RequestLoop:
                     # counted as a cancelled one.
                     await asyncio.wait_for(self.draft_call.code(), 5.0)
                     return
-                if source != "draft":
-                    return
+                if source == "draft_error":
+                    return  # the target's own closing messages are _close_target's business
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             log.warning("draft session did not close cleanly: %s", e)
 

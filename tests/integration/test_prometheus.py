@@ -95,6 +95,15 @@ def _chat(stack: Stack, max_tokens: int, **speculative) -> None:
     assert reply.status_code == 200, reply.text
 
 
+def _leave_early(stack: Stack) -> None:
+    """A streaming client that goes away after its first event: its sessions end CANCELLED,
+    the one non-OK gRPC outcome a healthy stack has."""
+    body = {"model": "specd", "messages": MESSAGES, "max_tokens": 64, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT_S) as reply:
+        assert reply.status_code == 200
+        next(reply.iter_lines())
+
+
 def _wait(prom: Prometheus, expr: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not prom.query(expr):
@@ -105,12 +114,13 @@ def _wait(prom: Prometheus, expr: str, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def traffic(stack: Stack, prometheus: Prometheus) -> Prometheus:
     """Requests in two rounds with scrapes between them, so that every counter has a sample
-    before and after an increase (a rate needs both)."""
+    before and after an increase (a rate needs both); each round has a client that leaves."""
     _wait(prometheus, 'count(up{job=~"specd-.*"} == 1) == 4')
     for _ in range(2):
         for policy in ("heuristic", "constant"):
             _chat(stack, 16, policy=policy, task_tag="prometheus")
         _chat(stack, 4, enabled=False)
+        _leave_early(stack)
         time.sleep(3)  # a few scrapes
     _wait(prometheus, "sum(rate(specd_emitted_tokens_total[1m])) > 0")
     _wait(prometheus, "sum(rate(specd_draft_tokens_total[1m])) > 0")
