@@ -57,6 +57,11 @@ class HybridDrafter(Drafter):
         if not model.has_distribution or lookup.has_distribution:
             raise ValueError("a hybrid drafter pairs a model drafter's chain with a lookup drafter's "
                              "branches")
+        if model.needs_target_features:
+            # Its session drafts from the target's features, which HybridSession (a plain model
+            # session over the drafter's KV cache) neither holds nor is handed.
+            raise ValueError(f"a hybrid drafter's chain comes from a drafter with a KV session "
+                             f"(early-exit, hf), not {model.kind}")
         self.model, self.lookup = model, lookup
 
     @property

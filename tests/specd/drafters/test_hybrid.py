@@ -7,6 +7,7 @@ import pytest
 from specd.drafters import (
     Datastore,
     EarlyExitDrafter,
+    FeatureDrafter,
     HybridDrafter,
     NgramDrafter,
     RetrievalDrafter,
@@ -58,6 +59,8 @@ def test_hybrid_needs_a_model_and_a_lookup_drafter(tiny_target):
         HybridDrafter(NgramDrafter(), NgramDrafter())
     with pytest.raises(ValueError, match="hybrid"):
         HybridDrafter(EarlyExitDrafter(tiny_target, 2), EarlyExitDrafter(tiny_target, 2))
+    with pytest.raises(ValueError, match="hybrid.*not feature"):  # it drafts from the target's features
+        HybridDrafter(FeatureDrafter(tiny_target), NgramDrafter())
 
 
 def test_build_hybrid(tiny_target, tmp_path):
