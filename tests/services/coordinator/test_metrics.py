@@ -273,7 +273,8 @@ def test_a_finished_request_ends_its_sessions_with_ok(target_service, hf_draft_s
     t_reg, d_reg = target_service.servicer.registry, hf_draft_service.servicer.registry
 
     def sessions(code: str) -> tuple[float, float]:
-        return tuple(total(reg, "specd_grpc_requests_total", method="Session", code=code) for reg in (t_reg, d_reg))
+        return tuple(total(reg, "specd_grpc_requests_total", method="Session", code=code)
+                     for reg in (t_reg, d_reg))
 
     async def run():
         coord = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
