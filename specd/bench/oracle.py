@@ -15,6 +15,14 @@ on a cached prefix, the best any length policy can do with this pair is
 (the first round's verification is the prefill forward over prompt + drafts). Approximations:
 the draft's own prefill is not counted and t_target(k) is measured once, after the first
 prompt + its answer; so a measured run can exceed the bound by a few percent (> 100% of oracle).
+
+A drafter that adds side branches to its chain (the hybrid: the model's chain, the lookup's
+proposals beside it; specd.tree) keeps, in a round starting at y_s, the longer of the model's
+agreeing run and the longest branch that matches y_s..; branches start at the window's root and
+follow only their own continuation, so that is exactly what its tree can keep. The oracle
+drafts the model's chain only where it reaches further than the branches, and pays the draft
+step only for those tokens and t_target for the kept path only (the side nodes are free): an
+optimistic bound, as a bound must be (`tree_rounds`, `branch_reach`).
 """
 
 from __future__ import annotations
@@ -30,8 +38,8 @@ from specd.models.loading import LoadedModel
 from specd.sampling import logits_to_probs, race_scores
 from specd.types import SamplingParams
 
-__all__ = ["CostCurve", "bound", "measure_prefill", "measure_t_draft", "measure_t_target", "oracle_rounds",
-           "teacher_forced_agreement"]
+__all__ = ["CostCurve", "bound", "branch_reach", "measure_prefill", "measure_t_draft", "measure_t_target",
+           "oracle_rounds", "teacher_forced_agreement", "tree_rounds"]
 
 
 def oracle_rounds(agree: Sequence[bool], window: int) -> list[int]:
@@ -51,11 +59,31 @@ def oracle_rounds(agree: Sequence[bool], window: int) -> list[int]:
     return rounds
 
 
-def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float) -> dict:
-    """The oracle's verifications, time and tokens/s for one output."""
+def tree_rounds(agree: Sequence[bool], reach: Sequence[int], window: int) -> tuple[list[int], list[int]]:
+    """(kept draft tokens per round, model-drafted tokens per round) for a chain plus side
+    branches; agree[i]: the model's chain predicts y_i; reach[s]: how many of y_s.. the best side
+    branch offered at y_<s matches. A round keeps the longer of the two (never the last token)."""
+    rounds, drafted, pos, n = [], [], 0, len(agree)
+    while pos < n:
+        cap = min(window, n - pos - 1)
+        k = 0
+        while k < cap and agree[pos + k]:
+            k += 1
+        side = min(reach[pos], cap)
+        rounds.append(max(k, side))
+        drafted.append(k if k > side else 0)
+        pos += rounds[-1] + 1
+    return rounds, drafted
+
+
+def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float, drafted: Sequence[int] | None = None) -> dict:
+    """The oracle's verifications, time and tokens/s for one output; drafted: the draft steps
+    paid per round where they differ from the tokens kept (a tree's free side branches)."""
+    drafted = list(rounds if drafted is None else drafted)
     n = sum(k + 1 for k in rounds)
-    t = t_prefill + sum(curve.round_time(k) for k in rounds[1:]) + (rounds[0] * curve.t_draft if rounds else 0.0)
-    return {"new_tokens": n, "verifications": len(rounds), "drafted": sum(rounds),
+    t = t_prefill + (drafted[0] * curve.t_draft if rounds else 0.0)
+    t += sum(d * curve.t_draft + curve.t_target(k + 1) + curve.overhead for k, d in zip(rounds[1:], drafted[1:]))
+    return {"new_tokens": n, "verifications": len(rounds), "drafted": sum(drafted),
             "time_s": t, "tokens_per_s": n / t if t > 0 else 0.0, "draft_lengths": list(rounds)}
 
 
@@ -83,6 +111,39 @@ def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Se
     finally:
         session.close()
     return [p == y for p, y in zip(pred, output)]
+
+
+def branch_reach(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], agree: Sequence[bool],
+                 window: int, params: SamplingParams | None = None) -> list[int]:
+    """reach[s]: the most of y_s.. that a side branch the drafter offers at y_<s matches. The
+    branches are the engine's (`SpeculativeEngine._tree`): the first `drafter.branches` that
+    differ from the chain, which here is the model's agreeing run from s, each cut to
+    `branch_length` tokens. Seeded sampling passes `params`: a lookup's coupled proposal."""
+    session = drafter.open()
+    try:
+        seq, reach, n = list(prompt), [], len(output)
+        for s in range(n):
+            run = 0
+            while run < window and s + run < n and agree[s + run]:
+                run += 1
+            chain, chosen = list(output[s:s + run]), []
+            for branch in session.branches(seq, chain, drafter.branch_length, params):
+                branch = branch[:drafter.branch_length]
+                if branch and branch != chain[:len(branch)] and branch not in chosen:
+                    chosen.append(branch)
+                    if len(chosen) == drafter.branches:
+                        break
+            best = 0
+            for branch in chosen:
+                m = 0
+                while m < len(branch) and s + m < n and branch[m] == output[s + m]:
+                    m += 1
+                best = max(best, m)
+            reach.append(best)
+            seq.append(output[s])
+    finally:
+        session.close()
+    return reach
 
 
 def measure_prefill(target: LoadedModel, prompt: Sequence[int]) -> float:

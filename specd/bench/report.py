@@ -121,6 +121,8 @@ def _oracle_lines(oracle: dict) -> list[str]:
             v = sum(r["verifications"] for r in e["per_prompt"])
             n = sum(r["new_tokens"] for r in e["per_prompt"])
             line += f"; {v} verifications for {n} tokens"
+            if "note" in e:
+                line += f" ({e['note']})"
         if "best_fixed_k" in e:
             line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
         out.append(line)

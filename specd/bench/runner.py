@@ -136,6 +136,9 @@ class BenchRun:
             entry = {"cost_curve": curve.to_dict()}
             if drafter.has_distribution:
                 entry["per_prompt"] = [self._bound(drafter, p, curve, window, prefill[p.key]) for p in self.prompts]
+                if drafter.branches:
+                    entry["note"] = (f"chain and side branches: each round keeps the longer of the model's run and "
+                                     f"the best of {drafter.branches} side branches; side nodes cost nothing")
             else:
                 entry["note"] = f"measured by running the oracle policy through the engine (config {kind}/oracle)"
             result["drafters"][kind] = entry
@@ -143,11 +146,16 @@ class BenchRun:
 
     def _bound(self, drafter, p: BenchPrompt, curve: orc.CostCurve, window: int, t_prefill: float) -> dict:
         output = self.baseline_ids[(0, p.key)]
+        coupled = None if self.s.greedy else self.sampling
         agree = orc.teacher_forced_agreement(drafter, self.prompt_ids[p.key], output, self.m.target.vocab_size,
-                                             None if self.s.greedy else self.sampling)
-        rounds = orc.oracle_rounds(agree, window)
+                                             coupled)
+        if drafter.branches:  # a tree drafter (hybrid): what its side branches keep counts too
+            reach = orc.branch_reach(drafter, self.prompt_ids[p.key], output, agree, window, coupled)
+            rounds, drafted = orc.tree_rounds(agree, reach, window)
+        else:
+            rounds, drafted = orc.oracle_rounds(agree, window), None
         return {"prompt": p.key, "disagreements": agree.count(False),
-                **orc.bound(rounds, curve, t_prefill)}
+                **orc.bound(rounds, curve, t_prefill, drafted)}
 
 
 def run_bench(s: BenchSettings, models: Models | None = None, progress: bool = True) -> dict:

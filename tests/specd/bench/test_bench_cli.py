@@ -131,3 +131,25 @@ def test_unknown_names_are_refused(tiny_dirs, dataset, tmp_path, specd_cli, flag
         argv += [flag, value]
     code, _, err = specd_cli(argv)
     assert code == 2 and name in err and len(err.strip().splitlines()) == 1
+
+
+def test_hybrid_bound_counts_its_side_branches(tiny_dirs, dataset, tmp_path, specd_cli):
+    """A tree drafter's oracle is the chain's and its branches' (specd.bench.oracle.tree_rounds):
+    the bound the report divides by, never the chain's alone, which a tree can beat."""
+    from specd.drafters import Datastore
+
+    store = tmp_path / "store.safetensors"
+    Datastore.from_documents([[5, 6, 7, 8, 9] * 4]).save(store)
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, dataset, out, "--policies", "constant", "--baselines", "ar", "--limit", "2",
+                      "--draft-layers", "1", "--draft-adapter", "none", "--datastore", str(store))
+    argv[argv.index("--drafter") + 1] = "hybrid"
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["aggregates"]["hybrid/constant"]["identical"] is True
+    bound = doc["oracle"]["drafters"]["hybrid"]
+    assert "side branches" in bound["note"] and "side branches" in (out / "report.md").read_text()
+    for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
+        assert rec["new_tokens"] == base["new_tokens"]
+        assert rec["drafted"] <= sum(rec["draft_lengths"])  # branch tokens cost no draft step
