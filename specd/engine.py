@@ -37,7 +37,7 @@ from specd.policies import (
 from specd.sampling import logits_to_probs, race_scores
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
-from specd.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
+from specd.tree import DraftTree, choose_branches, verify_tree_greedy, verify_tree_sampling
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
 from specd.verify import Verdict, verify_window
 
@@ -269,14 +269,9 @@ class GenerationRun:
         if not budget:
             return tree
         room = self.max_len - committed - 1  # a path of n nodes emits n + 1 tokens
-        chosen: list[list[int]] = []
-        for branch in self.draft_session.branches(self.seq[:committed], drafts, self.branch_length,
-                                                      self.sampling):
-            branch = branch[:min(room, self.branch_length)]
-            if branch and branch != drafts[:len(branch)] and branch not in chosen:
-                chosen.append(branch)
-                if len(chosen) == self.branches:
-                    break
+        chosen = choose_branches(self.draft_session.branches(self.seq[:committed], drafts, self.branch_length,
+                                                             self.sampling),
+                                 drafts, min(room, self.branch_length), self.branches)
         for depth in range(1, self.branch_length + 1):
             for branch in chosen:
                 if budget and len(branch) >= depth:

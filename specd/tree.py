@@ -28,6 +28,7 @@ Verification walks from the root (the last committed token) down the target's ch
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,20 @@ class DraftTree:
         while n < len(path) and path[n] == n and n < self.main:
             n += 1
         return n
+
+
+def choose_branches(proposals: Iterable[Sequence[int]], chain: Sequence[int], length: int,
+                    n: int) -> list[list[int]]:
+    """The side branches of a tree: the first n proposals, each cut to `length` tokens, that are
+    neither the chain's own start (no new node) nor a repeat of one already chosen."""
+    chosen: list[list[int]] = []
+    for branch in proposals:
+        branch = list(branch[:length])
+        if branch and branch != list(chain[:len(branch)]) and branch not in chosen:
+            chosen.append(branch)
+            if len(chosen) == n:
+                break
+    return chosen
 
 
 def tree_mask(tree: DraftTree, cached: int, pending: int, dtype: torch.dtype,

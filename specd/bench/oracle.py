@@ -36,6 +36,7 @@ from specd.costs import CostCurve, measure_t_draft, measure_t_target
 from specd.drafters.base import Drafter, fit_vocab
 from specd.models.loading import LoadedModel
 from specd.sampling import logits_to_probs, race_scores
+from specd.tree import choose_branches
 from specd.types import SamplingParams
 
 __all__ = ["CostCurve", "bound", "branch_reach", "measure_prefill", "measure_t_draft", "measure_t_target",
@@ -116,9 +117,8 @@ def teacher_forced_agreement(drafter: Drafter, prompt: Sequence[int], output: Se
 def branch_reach(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], agree: Sequence[bool],
                  window: int, params: SamplingParams | None = None) -> list[int]:
     """reach[s]: the most of y_s.. that a side branch the drafter offers at y_<s matches. The
-    branches are the engine's (`SpeculativeEngine._tree`): the first `drafter.branches` that
-    differ from the chain, which here is the model's agreeing run from s, each cut to
-    `branch_length` tokens. Seeded sampling passes `params`: a lookup's coupled proposal."""
+    branches are the engine's (`SpeculativeEngine._tree`, `specd.tree.choose_branches`), the
+    chain being the model's agreeing run from s. Seeded sampling passes `params`: a lookup's coupled proposal."""
     session = drafter.open()
     try:
         seq, reach, n = list(prompt), [], len(output)
@@ -126,13 +126,9 @@ def branch_reach(drafter: Drafter, prompt: Sequence[int], output: Sequence[int],
             run = 0
             while run < window and s + run < n and agree[s + run]:
                 run += 1
-            chain, chosen = list(output[s:s + run]), []
-            for branch in session.branches(seq, chain, drafter.branch_length, params):
-                branch = branch[:drafter.branch_length]
-                if branch and branch != chain[:len(branch)] and branch not in chosen:
-                    chosen.append(branch)
-                    if len(chosen) == drafter.branches:
-                        break
+            chain = list(output[s:s + run])
+            chosen = choose_branches(session.branches(seq, chain, drafter.branch_length, params), chain,
+                                     drafter.branch_length, drafter.branches)
             best = 0
             for branch in chosen:
                 m = 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specd.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
+from specd.tree import DraftTree, choose_branches, verify_tree_greedy, verify_tree_sampling
 
 PROMPT = [5, 9, 17, 33, 5, 9, 17, 2]
 
@@ -177,3 +177,12 @@ def test_tree_sampling_keeps_the_chains_rule_beside_point_mass_siblings():
     assert all(counts[t] for t in range(len(P)))
     assert pvalue(counts) > 1e-3
     assert pvalue(chain_first_tokens(siblings_against_p)) < 1e-3  # the negative control fails
+
+
+def test_choose_branches_skips_the_chains_own_start_and_repeats():
+    proposals = [[5, 6, 7, 8, 9], [1, 2], [5, 6, 7, 0], [3, 4, 5], [8]]
+    # [1, 2] is the chain's start; the two [5, 6, 7, ...] agree on their first 3 tokens
+    assert choose_branches(proposals, [1, 2, 3], 3, 2) == [[5, 6, 7], [3, 4, 5]]
+    assert choose_branches(proposals, [1, 2, 3], 3, 9) == [[5, 6, 7], [3, 4, 5], [8]]
+    assert choose_branches([[1, 2, 3, 4]], [1, 2], 4, 2) == [[1, 2, 3, 4]]  # reaches past the chain
+    assert choose_branches([[]], [], 4, 2) == []
