@@ -77,13 +77,15 @@ def tree_rounds(agree: Sequence[bool], reach: Sequence[int], window: int) -> tup
     return rounds, drafted
 
 
-def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float, drafted: Sequence[int] | None = None) -> dict:
+def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float,
+          drafted: Sequence[int] | None = None) -> dict:
     """The oracle's verifications, time and tokens/s for one output; drafted: the draft steps
     paid per round where they differ from the tokens kept (a tree's free side branches)."""
     drafted = list(rounds if drafted is None else drafted)
     n = sum(k + 1 for k in rounds)
     t = t_prefill + (drafted[0] * curve.t_draft if rounds else 0.0)
-    t += sum(d * curve.t_draft + curve.t_target(k + 1) + curve.overhead for k, d in zip(rounds[1:], drafted[1:]))
+    t += sum(d * curve.t_draft + curve.t_target(k + 1) + curve.overhead
+             for k, d in zip(rounds[1:], drafted[1:]))
     return {"new_tokens": n, "verifications": len(rounds), "drafted": sum(drafted),
             "time_s": t, "tokens_per_s": n / t if t > 0 else 0.0, "draft_lengths": list(rounds)}
 
@@ -118,7 +120,8 @@ def branch_reach(drafter: Drafter, prompt: Sequence[int], output: Sequence[int],
                  window: int, params: SamplingParams | None = None) -> list[int]:
     """reach[s]: the most of y_s.. that a side branch the drafter offers at y_<s matches. The
     branches are the engine's (`SpeculativeEngine._tree`, `specd.tree.choose_branches`), the
-    chain being the model's agreeing run from s. Seeded sampling passes `params`: a lookup's coupled proposal."""
+    chain being the model's agreeing run from s. Seeded sampling passes `params`: a lookup's
+    coupled proposal."""
     session = drafter.open()
     try:
         seq, reach, n = list(prompt), [], len(output)

@@ -137,8 +137,9 @@ class BenchRun:
             if drafter.has_distribution:
                 entry["per_prompt"] = [self._bound(drafter, p, curve, window, prefill[p.key]) for p in self.prompts]
                 if drafter.branches:
-                    entry["note"] = (f"chain and side branches: each round keeps the longer of the model's run and "
-                                     f"the best of {drafter.branches} side branches; side nodes cost nothing")
+                    entry["note"] = ("chain and side branches: each round keeps the longer of the model's "
+                                     f"run and the best of {drafter.branches} side branches; "
+                                     "side nodes cost nothing")
             else:
                 entry["note"] = f"measured by running the oracle policy through the engine (config {kind}/oracle)"
             result["drafters"][kind] = entry
