@@ -161,6 +161,9 @@ def _add_train_drafter(sub) -> None:
     a.add_argument("--adapter", default="mlp", choices=["mlp", "layer"],
                    help="early-exit: mlp (residual MLP) or layer (one extra decoder layer, Kangaroo)")
     a.add_argument("--rank", type=int, default=256, help="early-exit: the residual MLP's width")
+    a.add_argument("--unroll", type=int, default=1,
+                   help="feature: train the first N drafted tokens, depth 2..N on the head's own outputs "
+                        "(EAGLE-3's training-time test); 1 = the first token only, on the target's features")
     a.add_argument("--draft-vocab", type=int, default=0,
                    help="draft over the N most frequent answer tokens only (FR-Spec); 0 = whole vocabulary")
     a.add_argument("--epochs", type=int, default=2)
@@ -328,7 +331,7 @@ def cmd_train_head(args) -> int:
 def cmd_train_drafter(args) -> int:
     from specd.training.corpus import answer_prompts, build_corpus, file_prompts, read_shard, write_shard
     from specd.training.early_exit import train_early_exit
-    from specd.training.feature import train_feature
+    from specd.training.feature import MAX_UNROLL, train_feature
 
     try:
         temperatures = [float(x) for x in _comma_list(args.temperatures) or ()]
@@ -337,6 +340,8 @@ def cmd_train_drafter(args) -> int:
     for name in ("positions", "gen_batch_size", "max_new_tokens", "epochs", "batch_tokens", "rank"):
         if getattr(args, name) < 1:
             raise InvalidRequest(name, f"must be at least 1, got {getattr(args, name)}")
+    if not 1 <= args.unroll <= MAX_UNROLL:  # checked before the corpus, which takes minutes
+        raise InvalidRequest("unroll", f"must be in [1, {MAX_UNROLL}], got {args.unroll}")
     target = _load_model(args, args.target_model)
     work = args.work_dir or _cache_dir(args) / "train" / target.name
     started = time.perf_counter()
@@ -356,7 +361,7 @@ def cmd_train_drafter(args) -> int:
               "batch_tokens": args.batch_tokens, "eval_seqs": evals, "seed": args.seed,
               "checkpoint": work / f"ckpt-{args.out.stem}.pt"}
     if args.kind == "feature":
-        report = train_feature(target, list(corpus), args.out, **common)
+        report = train_feature(target, list(corpus), args.out, unroll=args.unroll, **common)
     else:
         report = train_early_exit(target, list(corpus), args.out, layers=args.layers, adapter=args.adapter,
                                   rank=args.rank, **common)

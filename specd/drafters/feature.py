@@ -97,6 +97,27 @@ class FeatureDrafter(Drafter, ReducedVocab):
         return self.decoder(inputs_embeds=x, past_key_values=cache, use_cache=cache is not None,
                             attention_mask=attention_mask).last_hidden_state
 
+    def unrolled(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Head outputs [B, T, H] at drafting depths 1..depth, for training on the head's own
+        stand-ins (EAGLE-3's "training-time test"). Row t of depth d is what a draft session
+        computes at position t when positions up to t - d + 1 read the target's features and
+        t - d + 2 .. t read the head's own outputs (row t - 1 of depth d - 1): the d-th token
+        drafted after a verified prefix. Depth 1 is `run`. Right padding needs no mask: a real
+        row never sees a later position."""
+        b, t, _ = feats.shape
+        cache, outs = DynamicCache(), []
+        emb = self.embed(next_ids).to(feats.dtype)
+        positions = torch.arange(t, device=feats.device)[None].expand(b, t)
+        stand_in = feats
+        for d in range(1, depth + 1):
+            x = self.head.fc(torch.cat([stand_in, emb], -1))
+            mask = unroll_mask(t, d, x.dtype, x.device)
+            out = self.decoder(inputs_embeds=x, past_key_values=cache, use_cache=True, attention_mask=mask,
+                               position_ids=positions).last_hidden_state
+            outs.append(out)
+            stand_in = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # row t reads row t - 1
+        return outs
+
     @property
     def hidden_size(self) -> int:
         return self.head.fc.weight.shape[0]
@@ -112,6 +133,20 @@ class FeatureDrafter(Drafter, ReducedVocab):
 
     def open(self, vocab_size: int | None = None) -> FeatureDraftSession:
         return FeatureDraftSession(self, vocab_size or self.target.vocab_size)
+
+
+def unroll_mask(t: int, depth: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, t, depth * t] for depth `depth` of `FeatureDrafter.unrolled`, whose
+    cache holds the keys of depths 1..depth, t columns each. Row i sees depth 1 (true features)
+    at positions up to i - depth + 1 and, of each depth d' = 2..depth, only position
+    i - depth + d' (its own stand-in chain; d' = depth is row i itself)."""
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    blocks = [j <= i - depth + 1] + [j == i - depth + d for d in range(2, depth + 1)]
+    allowed = torch.cat(blocks, 1)
+    mask = torch.zeros(t, depth * t, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
 
 
 class FeatureDraftSession(DraftSession):

@@ -36,8 +36,9 @@ from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.training.corpus import Answered
 
-# (target, drafter, ids, attn, pred) -> (teacher p [N, V], student log q [N, V'], extra loss | None)
-Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# (target, drafter, ids, attn, pred) -> (teacher p [N, V], student log q [N, V'], extra loss | None,
+# drafting depth of each row [N] | None: all depth 1)
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
 def choose_vocab(seqs: Sequence[Answered], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -113,12 +114,12 @@ def _teacher_probs(target: LoadedModel, f: torch.Tensor) -> torch.Tensor:
 
 
 def early_exit_step(target: LoadedModel, drafter: EarlyExitDrafter, ids, attn, pred
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(teacher p [N, V], student log q [N, V'] over the draft vocabulary, no extra loss) at
-    the rows that predict an answer token."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    """(teacher p [N, V], student log q [N, V'] over the draft vocabulary, no extra loss, every
+    row depth 1) at the rows that predict an answer token."""
     p = _teacher_probs(target, _teacher_features(target, ids, attn)[pred])
     h = drafter.adapter(drafter.decoder(input_ids=ids, attention_mask=attn).last_hidden_state[pred])
-    return p, (h @ drafter.head_weight.T).float().log_softmax(-1), None
+    return p, (h @ drafter.head_weight.T).float().log_softmax(-1), None, None
 
 
 def _restrict(p: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
@@ -134,29 +135,42 @@ def evaluate(target: LoadedModel, drafter, seqs: Sequence[Answered], batch_token
     """Over the answer positions of seqs: top-1 agreement (draft argmax == target argmax, the
     greedy acceptance rate of one token), the expected acceptance of a T=1 sampled draft token
     sum_x min(p, q), and the distillation loss. (For the feature drafter: of its first token
-    after a verified prefix, with the target's own features.)"""
+    after a verified prefix, with the target's own features; where the step also drafts deeper,
+    `by_depth` gives the same numbers for the d-th token past the prefix.)"""
     step = step or early_exit_step
     if not seqs:
         return {"positions": 0}
     device, dtype = target.device, next(target.model.parameters()).dtype
     pad = _pad_id(target)
-    agree = accept = loss = 0.0
-    n = 0
+    sums: dict[int, list[float]] = {}  # depth -> [agree, accept, loss, n]
     for group in batches(seqs, batch_tokens, None, max_len):
         ids, attn, pred = _pack(group, max_len, pad, device)
         with _autocast(device, dtype):
-            p, logq, _ = step(target, drafter, ids, attn, pred)
+            p, logq, _, depths = step(target, drafter, ids, attn, pred)
         q_sub = logq.exp()
         p_sub = p if drafter.vocab_ids is None else p[:, drafter.vocab_ids]
         draft_top = q_sub.argmax(-1)
         if drafter.vocab_ids is not None:
             draft_top = drafter.vocab_ids[draft_top]
-        agree += (draft_top == p.argmax(-1)).sum().item()
-        accept += torch.minimum(p_sub, q_sub).sum().item()
-        loss += -(_restrict(p, drafter.vocab_ids) * logq).sum().item()
-        n += p.shape[0]
-    return {"positions": n, "top1_agreement": round(agree / n, 4), "expected_acceptance_t1": round(accept / n, 4),
-            "loss": round(loss / n, 4)}
+        rows = torch.stack([(draft_top == p.argmax(-1)).float(), torch.minimum(p_sub, q_sub).sum(-1),
+                            -(_restrict(p, drafter.vocab_ids) * logq).sum(-1)], 1)
+        if depths is None:
+            depths = torch.ones(p.shape[0], dtype=torch.long, device=p.device)
+        for d in depths.unique().tolist():
+            acc = sums.setdefault(d, [0.0, 0.0, 0.0, 0])
+            sel = rows[depths == d]
+            for k, v in enumerate(sel.sum(0).tolist()):
+                acc[k] += v
+            acc[3] += sel.shape[0]
+
+    def summary(agree: float, accept: float, loss: float, n: int) -> dict:
+        return {"positions": n, "top1_agreement": round(agree / n, 4),
+                "expected_acceptance_t1": round(accept / n, 4), "loss": round(loss / n, 4)}
+
+    report = summary(*sums[1]) if 1 in sums else {"positions": 0}
+    if len(sums) > 1:
+        report["by_depth"] = {str(d): summary(*sums[d]) for d in sorted(sums)}
+    return report
 
 
 def _pad_id(target: LoadedModel) -> int:
@@ -197,10 +211,12 @@ def train_early_exit(target: LoadedModel, seqs: Sequence[Answered], out: Path, *
 def distill(target: LoadedModel, drafter, params: torch.nn.Module, step: Step, save: Callable[..., None],
             train: Sequence[Answered], held: Sequence[Answered], out: Path, report: dict, *,
             draft_vocab: int | None, epochs: int, lr: float, batch_tokens: int, max_len: int,
-            eval_seqs: dict[str, Sequence[Answered]] | None, seed: int, checkpoint: Path | None) -> dict:
+            eval_seqs: dict[str, Sequence[Answered]] | None, seed: int, checkpoint: Path | None,
+            eval_step: Step | None = None) -> dict:
     """The training loop every drafter kind shares: distil the target into `params` (AdamW,
     warm-up then cosine decay, gradient clipping at 1) with `step`'s teacher/student pairs,
-    evaluate before and after, save with `save(out, train=report)`."""
+    evaluate (with `eval_step`, default `step`) before and after, save with
+    `save(out, train=report)`."""
     if epochs < 1:
         raise InvalidRequest("epochs", f"must be at least 1, got {epochs}")
     if draft_vocab:
@@ -211,7 +227,8 @@ def distill(target: LoadedModel, drafter, params: torch.nn.Module, step: Step, s
                    "vocab_coverage": round(coverage(held or train, drafter.vocab_ids), 4),
                    "train_sequences": len(train), "train_positions": sum(len(s.ids) - s.prompt_len for s in train),
                    "epochs": epochs, "lr": lr, "seed": seed})
-    report["before"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, step) for k, v in evals.items() if v}
+    report["before"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, eval_step or step)
+                        for k, v in evals.items() if v}
 
     target.model.requires_grad_(False)  # only the drafter's own modules learn
     params.float().train().requires_grad_(True)
@@ -237,7 +254,7 @@ def distill(target: LoadedModel, drafter, params: torch.nn.Module, step: Step, s
         for group in bar:
             ids, attn, pred = _pack(group, max_len, pad, device)
             with _autocast(device, dtype):
-                p, logq, extra = step(target, drafter, ids, attn, pred)
+                p, logq, extra, _ = step(target, drafter, ids, attn, pred)
             loss = -(_restrict(p, drafter.vocab_ids) * logq).sum(-1).mean()
             if extra is not None:
                 loss = loss + extra
@@ -252,7 +269,8 @@ def distill(target: LoadedModel, drafter, params: torch.nn.Module, step: Step, s
                         "sched": sched.state_dict(), "epoch": epoch + 1}, checkpoint)
     params.to(dtype).eval()
     report["train_seconds"] = round(time.perf_counter() - started, 1)
-    report["after"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, step) for k, v in evals.items() if v}
+    report["after"] = {k: evaluate(target, drafter, v, batch_tokens, max_len, eval_step or step)
+                       for k, v in evals.items() if v}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save(out, train=report)

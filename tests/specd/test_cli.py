@@ -110,9 +110,11 @@ def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
     assert json.loads(stdout)["stats"]["drafter"] == "early-exit"
     feature = tmp_path / "feature.safetensors"
     code, stdout, err = specd_cli(["train-drafter", *[str(feature) if a == str(out) else a for a in common], "--kind",
-                                   "feature", "--epochs", "1", "--batch-tokens", "512"])
+                                   "feature", "--epochs", "1", "--batch-tokens", "512", "--unroll", "2"])
     assert code == 0, err
-    assert json.loads(stdout)["kind"] == "feature" and feature.is_file()
+    report = json.loads(stdout)
+    assert report["kind"] == "feature" and report["unroll"] == 2 and feature.is_file()
+    assert set(report["after"]["held"]["by_depth"]) == {"1", "2", "3"}  # always reported to depth 3
     code, stdout, err = specd_cli(["generate", "hi", "--target-model", target_dir, "--device", "cpu",
                                    "--drafter", "feature", "--draft-adapter", str(feature), "--policy", "cost-aware",
                                    "--max-new-tokens", "8", "--json"])
@@ -136,6 +138,8 @@ def test_train_drafter_smoke(tiny_dirs, specd_cli, tmp_path):
     assert code == 2 and "temperatures" in err
     code, _, err = specd_cli(["train-drafter", *common, "--epochs", "0"])
     assert code == 2 and "epochs" in err
+    code, _, err = specd_cli(["train-drafter", *common, "--kind", "feature", "--unroll", "0"])
+    assert code == 2 and "unroll" in err
 
 
 def test_bench_dvi_smoke(tiny_dirs, specd_cli, tmp_path):

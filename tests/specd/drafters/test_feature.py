@@ -129,3 +129,27 @@ def test_the_cost_measurement_runs_the_head(tiny_target, drafter, monkeypatch):
     monkeypatch.setattr(FeatureDraftSession, "next", counting_next)
     assert measure_t_draft(drafter, synthetic_prefix(tiny_target.vocab_size), repeats=3) > 0
     assert len(drafted) >= 4 and all(drafted)
+
+
+@pytest.mark.parametrize("verified", [1, 4, 9])
+def test_unrolled_depths_are_what_a_session_drafts_past_the_verified_prefix(tiny_target, drafter, verified):
+    """Training on stand-ins (specd.training.feature) reads `unrolled`: row t of depth d must be the
+    head output a session computes at t when it is the d-th position past the target's features,
+    attending to true positions below and its own stand-in chain."""
+    seq = torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    f = _features(tiny_target, seq)
+    with torch.no_grad():
+        outs = drafter.unrolled(f[None, :-1], torch.tensor([seq[1:]]), 4)
+    s = drafter.open()
+    s.observe_target(0, f[:verified])  # head positions 0..verified-1 read true features
+    for depth in range(1, 5):
+        pos = verified - 2 + depth  # the head position that is `depth` past the verified prefix
+        if pos + 2 > len(seq):
+            break
+        step = s.next(seq[:pos + 2], SamplingParams(), None, True)
+        assert torch.allclose(step.hidden, outs[depth - 1][0, pos], atol=1e-4), depth  # float drift grows with depth
+    # Depth 1 everywhere is the plain forward over true features.
+    with torch.no_grad():
+        assert torch.allclose(outs[0], drafter.run(f[None, :-1], torch.tensor([seq[1:]])), atol=1e-5)
+    # Deeper rows differ from depth 1: the stand-ins are not the target's features.
+    assert not torch.allclose(outs[1][0, 5:], outs[0][0, 5:], atol=1e-3)
