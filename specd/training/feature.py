@@ -46,7 +46,7 @@ def feature_step(target: LoadedModel, drafter: FeatureDrafter, ids, attn, pred, 
     rows = pred[:, 1:]  # head row t <-> target row t+1
     f_next = f[:, 1:]
     p_rows = _teacher_probs(target, f_next[rows])  # [N, V]: the same teacher at every depth
-    outs = drafter.unrolled(f[:, :-1], ids[:, 1:], depth) if depth > 1 else [drafter.run(f[:, :-1], ids[:, 1:])]
+    outs = drafter.unrolled(f[:, :-1], ids[:, 1:], depth)
     ps, logqs, depths, feature_loss = [], [], [], 0.0
     for d, out in enumerate(outs, 1):
         keep = rows.clone()
