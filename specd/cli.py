@@ -331,7 +331,7 @@ def cmd_train_head(args) -> int:
 def cmd_train_drafter(args) -> int:
     from specd.training.corpus import answer_prompts, build_corpus, file_prompts, read_shard, write_shard
     from specd.training.early_exit import train_early_exit
-    from specd.training.feature import MAX_UNROLL, train_feature
+    from specd.training.feature import check_unroll, train_feature
 
     try:
         temperatures = [float(x) for x in _comma_list(args.temperatures) or ()]
@@ -340,8 +340,7 @@ def cmd_train_drafter(args) -> int:
     for name in ("positions", "gen_batch_size", "max_new_tokens", "epochs", "batch_tokens", "rank"):
         if getattr(args, name) < 1:
             raise InvalidRequest(name, f"must be at least 1, got {getattr(args, name)}")
-    if not 1 <= args.unroll <= MAX_UNROLL:  # checked before the corpus, which takes minutes
-        raise InvalidRequest("unroll", f"must be in [1, {MAX_UNROLL}], got {args.unroll}")
+    check_unroll(args.unroll)  # before the corpus, which takes minutes
     target = _load_model(args, args.target_model)
     work = args.work_dir or _cache_dir(args) / "train" / target.name
     started = time.perf_counter()

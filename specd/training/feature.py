@@ -38,6 +38,11 @@ EVAL_DEPTH = 3  # depths the report always shows
 MAX_UNROLL = 8
 
 
+def check_unroll(unroll: int) -> None:
+    if not 1 <= unroll <= MAX_UNROLL:
+        raise InvalidRequest("unroll", f"must be in [1, {MAX_UNROLL}], got {unroll}")
+
+
 def feature_step(target: LoadedModel, drafter: FeatureDrafter, ids, attn, pred, depth: int = 1):
     """(teacher p, student log q, feature loss, depth of each row) over depths 1..depth, at the
     head rows t whose target row t+1 predicts an answer token (and, at depth d, that have d - 1
@@ -67,8 +72,7 @@ def train_feature(target: LoadedModel, seqs: Sequence[Answered], out: Path, *, d
                   checkpoint: Path | None = None, unroll: int = 1) -> dict:
     """Train a feature head on seqs (on its own stand-ins up to depth `unroll`) and write it to
     `out`; returns the report."""
-    if not 1 <= unroll <= MAX_UNROLL:
-        raise InvalidRequest("unroll", f"must be in [1, {MAX_UNROLL}], got {unroll}")
+    check_unroll(unroll)
     held, train = split_holdout(seqs, holdout, seed)
     torch.manual_seed(seed)
     drafter = FeatureDrafter(target)
