@@ -436,6 +436,11 @@ def cmd_bench(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    disturbed = doc["contention"].get("disturbed")
+    if disturbed:
+        print(f"warning: other processes shared the CPUs during {len(disturbed)} prompt runs "
+              f"({', '.join(d['prompt'] for d in disturbed)}); report.md repeats the speedups without them",
+              file=sys.stderr)
     return 0
 
 

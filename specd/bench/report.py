@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specd.bench.configs import BASELINE
+from specd.bench.contention import summarize as contention_summary
 from specd.bench.metrics import aggregate
 from specd.bench.peers import sklearn_available
 from specd.costs import cpu_model
@@ -49,6 +50,7 @@ def results_doc(run, oracle: dict) -> dict:
         "records": run.records,
         "aggregates": aggregates,
         "oracle": oracle,
+        "contention": contention_summary(run.records, BASELINE),
     }
 
 
@@ -102,6 +104,7 @@ def report_md(doc: dict) -> str:
                      f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
                      f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
     lines += _oracle_lines(doc["oracle"])
+    lines += _contention_lines(doc.get("contention", {"measured": False}))
     skipped = [c for c in doc["configs"] if c["skipped"]]
     if skipped:
         lines += ["", "Skipped:", *[f"- {c['label']}: {c['skipped']}" for c in skipped]]
@@ -126,6 +129,24 @@ def _oracle_lines(oracle: dict) -> list[str]:
         if "best_fixed_k" in e:
             line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
         out.append(line)
+    return out
+
+
+def _contention_lines(c: dict) -> list[str]:
+    """Whether other processes shared the CPUs, which prompts they disturbed, and the speedups
+    without those prompts (specd.bench.contention)."""
+    if not c["measured"]:
+        return ["", "Machine contention: not measured (no /proc/stat)."]
+    share = f"other processes' share of the CPUs during a run: mean {100 * c['mean_share']:.1f}%, max {100 * c['max_share']:.1f}%"
+    if not c["disturbed"]:
+        return ["", f"Machine contention: none above {100 * c['threshold']:.0f}% ({share})."]
+    keys = ", ".join(f"{d['prompt']}" + (f" (repeat {d['repeat']})" if d["repeat"] else "") for d in c["disturbed"])
+    out = ["", f"**Machine contention: {len(c['disturbed'])} of {c['runs']} prompt runs disturbed** (other processes took "
+               f"more than {100 * c['threshold']:.0f}% of the CPUs during some configuration's run; {share}): {keys}. "
+               "Their ratios are suspect; without them:", "",
+           "| config | speedup median [spread] | aggregate |", "|---|---|---|"]
+    for label, sp in (c["undisturbed"] or {}).items():
+        out.append(f"| {label} | {_fmt(sp['median'])}× [{_fmt(sp['min'])}, {_fmt(sp['max'])}] | {_fmt(sp['ratio_of_sums'])}× |")
     return out
 
 

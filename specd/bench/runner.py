@@ -1,6 +1,8 @@
 """The benchmark loop: load the models, run every configuration on every prompt, interleaved
 per prompt (baseline, config A, config B, ... for one prompt, then the next; all of it
-`repeats` times) so that slow drift of the machine cancels out of the speedup ratios.
+`repeats` times) so that slow drift of the machine cancels out of the speedup ratios. Each run
+also records how much of the CPUs other processes took meanwhile (specd.bench.contention), so
+that a burst of foreign work is flagged instead of skewing the ratios unseen.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from tqdm import tqdm
 
 from specd.bench import oracle as orc
 from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, build_configs
+from specd.bench.contention import CpuShare
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.metrics import peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
@@ -113,11 +116,12 @@ class BenchRun:
                     reference = None
                     for c in active:  # the baseline is first
                         bar.set_postfix_str(f"{p.key} {c.label}")
-                        record, tokens = self.run_one(c, ids, reference)
+                        with CpuShare() as share:
+                            record, tokens = self.run_one(c, ids, reference)
                         if c.label == BASELINE:
                             reference = tokens
                             self.baseline_ids[(rep, p.key)] = tokens
-                        self.records[c.label].append({"prompt": p.key, "repeat": rep, **record})
+                        self.records[c.label].append({"prompt": p.key, "repeat": rep, **record, **share.record()})
                         bar.update()
 
     # -- oracle -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ errors naming a bad dataset line or an unknown name. No timing thresholds."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert json.loads(stdout) == doc
-    assert {"machine", "command", "settings", "configs", "records", "aggregates", "oracle"} <= set(doc)
+    assert {"machine", "command", "settings", "configs", "records", "aggregates", "oracle", "contention"} <= set(doc)
     assert {"cpu", "cores", "torch_threads", "device", "dtype", "torch", "transformers", "linear_kernels",
             "forward"} <= set(doc["machine"])
     assert doc["machine"]["forward"] == "lean"
@@ -41,6 +42,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     for label in labels:
         records = doc["records"][label]
         assert [r["prompt"] for r in records] == [f"{i}#t1" for i in range(3)]
+        assert all({"foreign_share", "foreign_cpu_s"} <= set(r) for r in records)  # specd.bench.contention
     # transformers' own target-alone decoding says the same as specd's lean forward
     assert doc["aggregates"]["hf-ar"]["identical"] is True
     for label in ("hf/constant", "hf/heuristic", "hf/svip"):
@@ -56,7 +58,8 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
         assert rec["new_tokens"] == base["new_tokens"]
         assert rec["verifications"] <= rec["disagreements"] + 1
     report = (out / "report.md").read_text()
-    assert "| hf/svip |" in report and "% of oracle" in report
+    assert "| hf/svip |" in report and "% of oracle" in report and "Machine contention" in report
+    assert doc["contention"]["measured"] == Path("/proc/stat").exists()
     for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png", "entropy.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
