@@ -14,7 +14,9 @@ A (prompt, repeat) is *disturbed* when any configuration's run on it had foreign
 DISTURBED and at least MIN_FOREIGN_S seconds (/proc/stat counts in ticks of 10 ms, so a short run's
 share alone is noisy). The report flags disturbed prompts and repeats every speedup over the
 undisturbed ones. Where /proc/stat cannot be read (not Linux) nothing is measured and nothing is
-flagged.
+flagged. In a container limited by a CPU quota rather than by affinity, /proc/stat shows the
+host's CPUs, so the share is diluted over them and counts other containers' work: a coarse flag
+there, not a measure of what the bench lost.
 """
 
 from __future__ import annotations
