@@ -121,6 +121,10 @@ def summarize(records: dict[str, list[dict]], baseline: str) -> dict:
     if bad:
         skip = set(bad)
         keep = {label: [r for i, r in enumerate(recs) if i not in skip] for label, recs in records.items()}
-        out["undisturbed"] = {label: {k: v for k, v in speedups(recs, keep[baseline]).items() if k != "per_run"}
-                              for label, recs in keep.items()} if len(skip) < len(first) else {}
+        out["undisturbed"] = {}  # stays empty when every run was disturbed
+        if keep[baseline]:
+            for label, recs in keep.items():
+                sp = speedups(recs, keep[baseline])
+                del sp["per_run"]
+                out["undisturbed"][label] = sp
     return out
