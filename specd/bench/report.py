@@ -145,7 +145,7 @@ def _contention_lines(c: dict) -> list[str]:
                f"more than {100 * c['threshold']:.0f}% of the CPUs during some configuration's run; {share}): {keys}. "
                "Their ratios are suspect; without them:", "",
            "| config | speedup median [spread] | aggregate |", "|---|---|---|"]
-    for label, sp in (c["undisturbed"] or {}).items():
+    for label, sp in c["undisturbed"].items():
         out.append(f"| {label} | {_fmt(sp['median'])}× [{_fmt(sp['min'])}, {_fmt(sp['max'])}] | {_fmt(sp['ratio_of_sums'])}× |")
     return out
 
