@@ -183,6 +183,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--turn", choices=["1", "2", "all"], default="1",
                    help="2 replays the target's first answer as a conversation")
     b.add_argument("--limit", type=int, help="questions to use (default: all)")
+    b.add_argument("--offset", type=int, default=0,
+                   help="questions to skip first (--offset 40 --limit 40: the second half of an 80-question set)")
     b.add_argument("--policies", help="comma list (default: every policy except oracle)")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=0.0)
@@ -430,7 +432,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees, args.forward)
+        args.trees, args.forward, args.offset)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

@@ -47,6 +47,7 @@ class BenchSettings:
     datastore: Path | None = None  # retrieval's; None: the bundled one
     trees: bool = False  # also run lookup drafters with draft trees (specd.tree)
     forward: str = "auto"  # auto | lean | hf (specd/models/lean.py)
+    offset: int = 0  # questions skipped before the first one used
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +75,8 @@ class BenchSettings:
             raise InvalidRequest("repeats", f"must be >= 1, got {self.repeats}")
         if self.limit is not None and self.limit < 1:
             raise InvalidRequest("limit", f"must be >= 1, got {self.limit}")
+        if self.offset < 0:
+            raise InvalidRequest("offset", f"must be >= 0, got {self.offset}")
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ class BenchPrompt:
         return f"{self.qid}#t{self.turn}"
 
 
-def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
-    """Parse the JSONL file; a bad line raises InvalidRequest naming path:line."""
+def load_questions(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Question]:
+    """Parse the JSONL file; a bad line raises InvalidRequest naming path:line. offset skips that
+    many questions first (they are still parsed), so a long set can be run in parts."""
     path = Path(path)
     if not path.is_file():
         raise InvalidRequest("dataset", f"{path}: no such file")
@@ -48,11 +49,13 @@ def load_questions(path: str | Path, limit: int | None = None) -> list[Question]
             if not line.strip():
                 continue
             out.append(_parse_line(line, path, lineno))
-            if limit is not None and len(out) >= limit:
+            if limit is not None and len(out) >= offset + limit:
                 break
     if not out:
         raise InvalidRequest("dataset", f"{path}: no questions")
-    return out
+    if offset >= len(out):
+        raise InvalidRequest("offset", f"{path} has {len(out)} questions, all skipped by offset {offset}")
+    return out[offset:]
 
 
 def _parse_line(line: str, path: Path, lineno: int) -> Question:

@@ -83,9 +83,10 @@ def _fmt(x, spec: str = ".2f") -> str:
 def report_md(doc: dict) -> str:
     """One table, configurations as rows, plus the skipped configs, oracle bounds and gaps."""
     m, s = doc["machine"], doc["settings"]
+    skipped = f" (after the first {s['offset']} questions of the set)" if s.get("offset") else ""
     lines = [
         "# specd bench", "",
-        f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts × "
+        f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts{skipped} × "
         f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}. "
         f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['device']} {m['dtype']}, "
         f"{m.get('linear_kernels', 'torch')} linear kernels, {m.get('forward', 'hf')} forward, torch {m['torch']}, transformers {m['transformers']}.", "",

@@ -60,7 +60,7 @@ class BenchRun:
         self.s, self.m = s, models
         self.sampling = SamplingParams(s.temperature, 0, 1.0, s.seed, s.max_new_tokens)
         self.sampling.validate(max_new_tokens_limit=models.target.max_context)
-        self.prompts = bench_prompts(load_questions(s.dataset, s.limit), s.turn)
+        self.prompts = bench_prompts(load_questions(s.dataset, s.limit, s.offset), s.turn)
         peer_skips = {p: skip_reason(p, models.draft_model) for p in s.baselines if p != BASELINE}
         self.configs = build_configs(s, {d: d in models.heads for d in s.drafters}, peer_skips)
         self.engines = {None: SpeculativeEngine(models.target)}
@@ -168,7 +168,7 @@ def run_bench(s: BenchSettings, models: Models | None = None, progress: bool = T
     from specd.bench.report import results_doc
 
     s.validate()
-    load_questions(s.dataset, s.limit)  # a bad dataset fails before the models load
+    load_questions(s.dataset, s.limit, s.offset)  # a bad dataset fails before the models load
     run = BenchRun(s, models or load_models(s))
     run.encode_prompts()
     run.warm_up()

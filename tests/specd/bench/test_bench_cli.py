@@ -97,11 +97,13 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     out = tmp_path / "out"
     target, _ = map(str, tiny_dirs)
     code, _, err = specd_cli(["bench", "--dataset", str(dataset), "--target-model", target, "--limit", "1",
-                        "--turn", "all", "--policies", "constant,specdec++", "--max-new-tokens", "6",
+                        "--offset", "1", "--turn", "all", "--policies", "constant,specdec++", "--max-new-tokens", "6",
                         "--baselines", "hf-heuristic", "--trees", "--out", str(out)])
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
-    assert [p["key"] for p in doc["prompts"]] == ["0#t1", "0#t2"]
+    assert [p["key"] for p in doc["prompts"]] == ["1#t1", "1#t2"]  # --offset 1: the second question
+    assert doc["settings"]["offset"] == 1
+    assert "after the first 1 questions" in (out / "report.md").read_text()
     assert doc["prompts"][1]["prompt_tokens"] > doc["prompts"][0]["prompt_tokens"]
     skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
     assert set(skipped) == {"ngram/specdec++", "ngram/specdec++/tree", "hf-heuristic"}
@@ -121,6 +123,12 @@ def test_bad_dataset_line_is_named(tiny_dirs, tmp_path, specd_cli):
     path.write_text('{"turns": ["ok"]}\n\n{not json\n')
     code, _, err = specd_cli(bench_args(tiny_dirs, path, tmp_path / "o"))
     assert code == 2 and f"{path}:3: invalid JSON" in err
+
+
+@pytest.mark.parametrize("value, says", [("-1", "must be >= 0"), ("3", "all skipped by offset 3")])
+def test_bad_offset_is_named(tiny_dirs, dataset, tmp_path, specd_cli, value, says):
+    code, _, err = specd_cli(bench_args(tiny_dirs, dataset, tmp_path / "o", "--offset", value))
+    assert code == 2 and "offset" in err and says in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag, value, name", [("--policies", "constant,warp", "'warp'"),
