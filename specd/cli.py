@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_head(sub)
     _add_train_drafter(sub)
     _add_bench(sub)
+    _add_bench_merge(sub)
     _add_bench_dvi(sub)
     from services.cli import add_commands  # serve and up: the service processes
 
@@ -202,6 +203,14 @@ def _add_bench(sub) -> None:
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
+
+
+def _add_bench_merge(sub) -> None:
+    m = sub.add_parser("bench-merge", help="join `specd bench` runs over disjoint parts of one prompt set "
+                                           "(--offset/--limit) into one results.json, report.md and PNGs")
+    m.add_argument("parts", nargs="+", type=Path, help="the parts' --out directories (or results.json files)")
+    m.add_argument("--out", type=Path, required=True)
+    m.set_defaults(func=cmd_bench_merge)
 
 
 def _add_bench_dvi(sub) -> None:
@@ -443,6 +452,16 @@ def cmd_bench(args) -> int:
         print(f"warning: other processes shared the CPUs during {len(disturbed)} prompt runs "
               f"({', '.join(d['prompt'] for d in disturbed)}); report.md repeats the speedups without them",
               file=sys.stderr)
+    return 0
+
+
+def cmd_bench_merge(args) -> int:
+    from specd.bench.merge import load_part, merge_docs
+    from specd.bench.report import write_outputs
+
+    doc = merge_docs([load_part(p) for p in args.parts])
+    paths = write_outputs(doc, args.out)
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 
 

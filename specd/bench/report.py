@@ -37,7 +37,8 @@ def results_doc(run, oracle: dict) -> dict:
     """The whole benchmark as plain data."""
     base = run.records[BASELINE]
     aggregates = {label: aggregate(recs, base) for label, recs in run.records.items()}
-    _add_oracle_fractions(aggregates, run, oracle)
+    configs = [c.to_dict() for c in run.configs]
+    add_oracle_fractions(aggregates, configs, oracle)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run.s).items()}
     return {
         "machine": machine_info(run.m.target),
@@ -46,7 +47,7 @@ def results_doc(run, oracle: dict) -> dict:
         "target": run.m.target.name,
         "prompts": [{"key": p.key, "qid": p.qid, "turn": p.turn, "prompt_tokens": len(run.prompt_ids[p.key])}
                     for p in run.prompts],
-        "configs": [c.to_dict() for c in run.configs],
+        "configs": configs,
         "records": run.records,
         "aggregates": aggregates,
         "oracle": oracle,
@@ -54,7 +55,7 @@ def results_doc(run, oracle: dict) -> dict:
     }
 
 
-def _add_oracle_fractions(aggregates: dict, run, oracle: dict) -> None:
+def add_oracle_fractions(aggregates: dict, configs: list[dict], oracle: dict) -> None:
     """Each config's tokens/s as a fraction of its drafter's oracle, and the best constant K."""
     bounds = {}
     for kind, entry in oracle.get("drafters", {}).items():
@@ -64,10 +65,10 @@ def _add_oracle_fractions(aggregates: dict, run, oracle: dict) -> None:
             entry["tokens_per_s"] = bounds[kind] = n / t if t > 0 else 0.0
         elif f"{kind}/oracle" in aggregates:
             entry["tokens_per_s"] = bounds[kind] = aggregates[f"{kind}/oracle"]["tokens_per_s"]
-    for c in run.configs:
-        agg = aggregates.get(c.label)
+    for c in configs:
+        agg = aggregates.get(c["label"])
         if agg is not None:
-            bound = bounds.get(c.drafter)
+            bound = bounds.get(c["drafter"])
             agg["oracle_fraction"] = agg["tokens_per_s"] / bound if bound else None
     for kind, entry in oracle.get("drafters", {}).items():
         sweep = {k: a["tokens_per_s"] for k, a in aggregates.items() if k.startswith(f"{kind}/constant-k")}
@@ -105,6 +106,7 @@ def report_md(doc: dict) -> str:
                      f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
                      f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
     lines += _oracle_lines(doc["oracle"])
+    lines += _parts_lines(doc.get("parts"))
     lines += _contention_lines(doc.get("contention", {"measured": False}))
     skipped = [c for c in doc["configs"] if c["skipped"]]
     if skipped:
@@ -130,6 +132,21 @@ def _oracle_lines(oracle: dict) -> list[str]:
         if "best_fixed_k" in e:
             line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
         out.append(line)
+    return out
+
+
+def _parts_lines(parts: list[dict] | None) -> list[str]:
+    """A document joined by `specd bench-merge`: which runs it is made of (specd.bench.merge)."""
+    if not parts:
+        return []
+    out = ["", f"Joined from {len(parts)} runs over disjoint prompts (`specd bench-merge`); every ratio is "
+               "still against `ar` in the run that timed the prompt, and each run's oracle bounds used its own "
+               "cost curve (the first run's is shown above):"]
+    for p in parts:
+        curves = "; ".join(f"{k}: t_draft {1e3 * c['t_draft_s']:.2f} ms, t_target(1) {1e3 * c['t_target_s'][0]:.1f} ms"
+                           for k, c in p["cost_curves"].items())
+        out.append(f"- {p['first_prompt']} to {p['last_prompt']} ({p['prompts']} prompts): `{p['results']}`"
+                   + (f"; {curves}" if curves else ""))
     return out
 
 
