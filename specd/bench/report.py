@@ -84,7 +84,7 @@ def _fmt(x, spec: str = ".2f") -> str:
 def report_md(doc: dict) -> str:
     """One table, configurations as rows, plus the skipped configs, oracle bounds and gaps."""
     m, s = doc["machine"], doc["settings"]
-    skipped = f" (after the first {s['offset']} questions of the set)" if s.get("offset") else ""
+    skipped = f" (from question {s['offset'] + 1} of the set on)" if s.get("offset") else ""
     lines = [
         "# specd bench", "",
         f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts{skipped} × "

@@ -103,7 +103,7 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     doc = json.loads((out / "results.json").read_text())
     assert [p["key"] for p in doc["prompts"]] == ["1#t1", "1#t2"]  # --offset 1: the second question
     assert doc["settings"]["offset"] == 1
-    assert "after the first 1 questions" in (out / "report.md").read_text()
+    assert "2 prompts (from question 2 of the set on)" in (out / "report.md").read_text()
     assert doc["prompts"][1]["prompt_tokens"] > doc["prompts"][0]["prompt_tokens"]
     skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
     assert set(skipped) == {"ngram/specdec++", "ngram/specdec++/tree", "hf-heuristic"}
