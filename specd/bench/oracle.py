@@ -15,6 +15,9 @@ on a cached prefix, the best any length policy can do with this pair is
 (the first round's verification is the prefill forward over prompt + drafts). Approximations:
 the draft's own prefill is not counted and t_target(k) is measured once, after the first
 prompt + its answer; so a measured run can exceed the bound by a few percent (> 100% of oracle).
+The bound is therefore also given at the target-alone run's own cost (`ar_step`, `at_step_cost`):
+each prompt's curve scaled so that one target token costs what `ar` paid per token on that prompt
+in the same run. With no token agreed, that bound is `ar`'s own time.
 
 A drafter that adds side branches to its chain (the hybrid: the model's chain, the lookup's
 proposals beside it; specd.tree) keeps, in a round starting at y_s, the longer of the model's
@@ -27,6 +30,7 @@ optimistic bound, as a bound must be (`tree_rounds`, `branch_reach`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -39,7 +43,7 @@ from specd.sampling import logits_to_probs, race_scores
 from specd.tree import choose_branches
 from specd.types import SamplingParams
 
-__all__ = ["CostCurve", "bound", "branch_reach", "measure_prefill", "measure_t_draft", "measure_t_target",
+__all__ = ["CostCurve", "ar_step", "at_step_cost", "bound", "branch_reach", "measure_prefill", "measure_t_draft", "measure_t_target",
            "oracle_rounds", "teacher_forced_agreement", "tree_rounds"]
 
 
@@ -88,6 +92,19 @@ def bound(rounds: Sequence[int], curve: CostCurve, t_prefill: float,
              for k, d in zip(rounds[1:], drafted[1:]))
     return {"new_tokens": n, "verifications": len(rounds), "drafted": sum(drafted),
             "time_s": t, "tokens_per_s": n / t if t > 0 else 0.0, "draft_lengths": list(rounds)}
+
+
+def ar_step(records: Sequence[dict], t_prefill: float) -> float | None:
+    """What target-alone decoding (`ar`) paid per token after the prompt's prefill on one prompt:
+    (wall time - prefill) / (tokens - 1), averaged over its repeats; None below two tokens."""
+    steps = [(r["wall_time_s"] - t_prefill) / (r["new_tokens"] - 1) for r in records if r["new_tokens"] > 1]
+    return sum(steps) / len(steps) if steps else None
+
+
+def at_step_cost(curve: CostCurve, step: float) -> CostCurve:
+    """The curve scaled so that a one-token target forward costs `step` (every t_target(k) alike;
+    the draft's cost is kept)."""
+    return dataclasses.replace(curve, scale=step / curve.t_target_k[0])
 
 
 @torch.inference_mode()

@@ -56,13 +56,19 @@ def results_doc(run, oracle: dict) -> dict:
 
 
 def add_oracle_fractions(aggregates: dict, configs: list[dict], oracle: dict) -> None:
-    """Each config's tokens/s as a fraction of its drafter's oracle, and the best constant K."""
-    bounds = {}
+    """Each config's tokens/s as a fraction of its drafter's oracle, and the best constant K.
+    Where every prompt's bound was also costed at `ar`'s own per-token time (specd.bench.oracle
+    `ar_step`), that bound and the fractions of it too (`..._at_ar_step`)."""
+    bounds, at_ar = {}, {}
     for kind, entry in oracle.get("drafters", {}).items():
         if "per_prompt" in entry:
-            n = sum(r["new_tokens"] for r in entry["per_prompt"])
-            t = sum(r["time_s"] for r in entry["per_prompt"])
+            rows = entry["per_prompt"]
+            n = sum(r["new_tokens"] for r in rows)
+            t = sum(r["time_s"] for r in rows)
             entry["tokens_per_s"] = bounds[kind] = n / t if t > 0 else 0.0
+            if rows and all("time_at_ar_step_s" in r for r in rows):
+                t = sum(r["time_at_ar_step_s"] for r in rows)
+                entry["tokens_per_s_at_ar_step"] = at_ar[kind] = n / t if t > 0 else 0.0
         elif f"{kind}/oracle" in aggregates:
             entry["tokens_per_s"] = bounds[kind] = aggregates[f"{kind}/oracle"]["tokens_per_s"]
     for c in configs:
@@ -70,6 +76,8 @@ def add_oracle_fractions(aggregates: dict, configs: list[dict], oracle: dict) ->
         if agg is not None:
             bound = bounds.get(c["drafter"])
             agg["oracle_fraction"] = agg["tokens_per_s"] / bound if bound else None
+            if at_ar.get(c["drafter"]):
+                agg["oracle_fraction_at_ar_step"] = agg["tokens_per_s"] / at_ar[c["drafter"]]
     for kind, entry in oracle.get("drafters", {}).items():
         sweep = {k: a["tokens_per_s"] for k, a in aggregates.items() if k.startswith(f"{kind}/constant-k")}
         if sweep:
@@ -105,7 +113,7 @@ def report_md(doc: dict) -> str:
                      f"{_fmt(sp['max'])}] | {_fmt(a['mean_accepted_tokens'])} | {_fmt(a['acceptance_rate'])} | "
                      f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
                      f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
-    lines += _oracle_lines(doc["oracle"])
+    lines += _oracle_lines(doc["oracle"], doc["aggregates"])
     lines += _parts_lines(doc.get("parts"))
     lines += _contention_lines(doc.get("contention", {"measured": False}))
     skipped = [c for c in doc["configs"] if c["skipped"]]
@@ -115,7 +123,7 @@ def report_md(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _oracle_lines(oracle: dict) -> list[str]:
+def _oracle_lines(oracle: dict, aggregates: dict) -> list[str]:
     if "skipped" in oracle:
         return ["", f"Oracle bound: skipped ({oracle['skipped']})."]
     out = ["", f"Oracle bound (window {oracle['window']}):"]
@@ -132,7 +140,24 @@ def _oracle_lines(oracle: dict) -> list[str]:
         if "best_fixed_k" in e:
             line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
         out.append(line)
+        if e.get("tokens_per_s_at_ar_step"):
+            out.append("  - " + _at_ar_step_line(kind, e, aggregates))
     return out
+
+
+def _at_ar_step_line(kind: str, e: dict, aggregates: dict) -> str:
+    """The same bound with each prompt's curve scaled to what `ar` paid per token on it: a check
+    on the cost curve, which is measured once, on the first prompt."""
+    rows = e["per_prompt"]
+    steps = sum(r["ar_step_s"] * (r["new_tokens"] - 1) for r in rows) / sum(r["new_tokens"] - 1 for r in rows)
+    fracs = ", ".join(f"{label} {100 * a['oracle_fraction_at_ar_step']:.0f}%" for label, a in aggregates.items()
+                      if label.startswith(f"{kind}/") and a.get("oracle_fraction_at_ar_step") is not None)
+    ar = aggregates.get(BASELINE, {}).get("tokens_per_s")
+    vs_ar = f", {e['tokens_per_s_at_ar_step'] / ar:.2f}× ar" if ar else ""
+    return (f"at `ar`'s own cost: each prompt's curve scaled so one target token costs what `ar` paid per token "
+            f"on it ({1e3 * steps:.1f} ms mean, against the curve's t_target(1) "
+            f"{1e3 * e['cost_curve']['t_target_s'][0]:.1f} ms): {e['tokens_per_s_at_ar_step']:.1f} tok/s{vs_ar}"
+            + (f"; % of it: {fracs}" if fracs else ""))
 
 
 def _parts_lines(parts: list[dict] | None) -> list[str]:

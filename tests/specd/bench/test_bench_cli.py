@@ -57,8 +57,11 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
         assert rec["new_tokens"] == base["new_tokens"]
         assert rec["verifications"] <= rec["disagreements"] + 1
+        assert rec["ar_step_s"] > 0 and rec["time_at_ar_step_s"] > 0  # the bound at ar's own cost
+    assert bound["tokens_per_s_at_ar_step"] > 0 and doc["aggregates"]["hf/svip"]["oracle_fraction_at_ar_step"] > 0
     report = (out / "report.md").read_text()
     assert "| hf/svip |" in report and "% of oracle" in report and "Machine contention" in report
+    assert "at `ar`'s own cost" in report
     assert doc["contention"]["measured"] == Path("/proc/stat").exists()
     for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png", "entropy.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

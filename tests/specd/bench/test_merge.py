@@ -44,7 +44,8 @@ def test_merge_keeps_the_records_and_recomputes_the_summaries(parts, tmp_path, s
     for label in ("ar", "hf/constant", "hf-assisted"):
         assert doc["records"][label] == a["records"][label] + b["records"][label]
         agg = doc["aggregates"][label]
-        assert agg == {**aggregate(doc["records"][label], doc["records"]["ar"]), "oracle_fraction": agg["oracle_fraction"]}
+        fractions = {k: agg[k] for k in ("oracle_fraction", "oracle_fraction_at_ar_step") if k in agg}
+        assert agg == {**aggregate(doc["records"][label], doc["records"]["ar"]), **fractions}
         assert agg["speedup"]["per_run"] == a["aggregates"][label]["speedup"]["per_run"] + \
             b["aggregates"][label]["speedup"]["per_run"]
         assert agg["new_tokens"] == a["aggregates"][label]["new_tokens"] + b["aggregates"][label]["new_tokens"]
@@ -55,6 +56,11 @@ def test_merge_keeps_the_records_and_recomputes_the_summaries(parts, tmp_path, s
     assert bound["tokens_per_s"] == pytest.approx(expected)
     assert doc["aggregates"]["hf/constant"]["oracle_fraction"] == pytest.approx(
         doc["aggregates"]["hf/constant"]["tokens_per_s"] / expected)
+    # the bound at ar's own cost per token is recomputed over the union too
+    at_ar = sum(r["new_tokens"] for r in per_prompt) / sum(r["time_at_ar_step_s"] for r in per_prompt)
+    assert bound["tokens_per_s_at_ar_step"] == pytest.approx(at_ar)
+    assert doc["aggregates"]["hf/constant"]["oracle_fraction_at_ar_step"] == pytest.approx(
+        doc["aggregates"]["hf/constant"]["tokens_per_s"] / at_ar)
     assert doc["contention"]["runs"] == 3
     assert [p["prompts"] for p in doc["parts"]] == [1, 2] and "hf" in doc["parts"][1]["cost_curves"]
     report = (tmp_path / "m" / "report.md").read_text()

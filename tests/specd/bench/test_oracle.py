@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from specd.bench.oracle import CostCurve, bound, branch_reach, oracle_rounds, tree_rounds
+from specd.bench.oracle import CostCurve, ar_step, at_step_cost, bound, branch_reach, oracle_rounds, tree_rounds
+from specd.bench.report import add_oracle_fractions
 from specd.drafters import EarlyExitDrafter, HybridDrafter, NgramDrafter
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1]
@@ -45,6 +46,43 @@ def test_bound_pays_draft_steps_only_for_drafted_tokens():
     assert chain["time_s"] == pytest.approx(1.0 + 2 * 0.5 + 3.0)
     assert tree["time_s"] == pytest.approx(1.0 + 3.0)
     assert tree["new_tokens"] == chain["new_tokens"] == 4 and tree["drafted"] == 0
+
+
+def test_ar_step_is_the_target_alones_cost_per_token_after_the_prefill():
+    records = [{"new_tokens": 11, "wall_time_s": 2.5}, {"new_tokens": 11, "wall_time_s": 3.5}]
+    assert ar_step(records, t_prefill=0.5) == pytest.approx(((2.0 / 10) + (3.0 / 10)) / 2)
+    assert ar_step([{"new_tokens": 1, "wall_time_s": 1.0}], t_prefill=0.5) is None
+    assert ar_step([], t_prefill=0.5) is None
+
+
+def test_at_ar_step_the_bound_without_agreement_is_ars_own_time():
+    curve = CostCurve(t_draft=0.5, ks=[1, 2, 4], t_target_k=[1.0, 2.0, 4.0])
+    records = [{"new_tokens": 6, "wall_time_s": 0.3 + 5 * 1.25}]
+    step = ar_step(records, t_prefill=0.3)
+    scaled = at_step_cost(curve, step)
+    # a window of none: the prefill then five one-token steps at ar's cost, exactly ar's wall time
+    assert bound([0] * 6, scaled, t_prefill=0.3)["time_s"] == pytest.approx(records[0]["wall_time_s"])
+    # every target cost is scaled alike, the draft's is kept, the measured curve is untouched
+    assert bound([0, 2], scaled, t_prefill=1.0)["time_s"] == pytest.approx(1.0 + 2 * 0.5 + 1.25 * 3.0)
+    assert curve.t_target(1) == 1.0 and scaled.t_draft == 0.5
+
+
+def test_fractions_at_ar_step_only_where_every_prompt_has_it():
+    configs = [{"label": "hf/constant", "drafter": "hf"}]
+    rows = [{"new_tokens": 10, "time_s": 1.0, "time_at_ar_step_s": 2.0},
+            {"new_tokens": 10, "time_s": 1.0, "time_at_ar_step_s": 2.0}]
+    aggregates = {"hf/constant": {"tokens_per_s": 5.0}}
+    oracle = {"drafters": {"hf": {"per_prompt": rows}}}
+    add_oracle_fractions(aggregates, configs, oracle)
+    assert oracle["drafters"]["hf"]["tokens_per_s"] == pytest.approx(10.0)
+    assert oracle["drafters"]["hf"]["tokens_per_s_at_ar_step"] == pytest.approx(5.0)
+    assert aggregates["hf/constant"]["oracle_fraction_at_ar_step"] == pytest.approx(1.0)
+    # a run from before the field (a part joined by bench-merge): no half-summed bound
+    del rows[1]["time_at_ar_step_s"]
+    aggregates, oracle = {"hf/constant": {"tokens_per_s": 5.0}}, {"drafters": {"hf": {"per_prompt": rows}}}
+    add_oracle_fractions(aggregates, configs, oracle)
+    assert "tokens_per_s_at_ar_step" not in oracle["drafters"]["hf"]
+    assert "oracle_fraction_at_ar_step" not in aggregates["hf/constant"]
 
 
 def test_branch_reach_is_what_the_hybrids_branches_match(tiny_target):
