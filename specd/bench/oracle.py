@@ -43,8 +43,8 @@ from specd.sampling import logits_to_probs, race_scores
 from specd.tree import choose_branches
 from specd.types import SamplingParams
 
-__all__ = ["CostCurve", "ar_step", "at_step_cost", "bound", "branch_reach", "measure_prefill", "measure_t_draft", "measure_t_target",
-           "oracle_rounds", "teacher_forced_agreement", "tree_rounds"]
+__all__ = ["CostCurve", "ar_step", "at_step_cost", "bound", "branch_reach", "measure_prefill", "measure_t_draft",
+           "measure_t_target", "oracle_rounds", "teacher_forced_agreement", "tree_rounds"]
 
 
 def oracle_rounds(agree: Sequence[bool], window: int) -> list[int]:

@@ -148,8 +148,9 @@ def _oracle_lines(oracle: dict, aggregates: dict) -> list[str]:
 def _at_ar_step_line(kind: str, e: dict, aggregates: dict) -> str:
     """The same bound with each prompt's curve scaled to what `ar` paid per token on it: a check
     on the cost curve, which is measured once, on the first prompt."""
-    rows = e["per_prompt"]
-    steps = sum(r["ar_step_s"] * (r["new_tokens"] - 1) for r in rows) / sum(r["new_tokens"] - 1 for r in rows)
+    rows = [r for r in e["per_prompt"] if r["ar_step_s"] is not None]
+    decoded = sum(r["new_tokens"] - 1 for r in rows)
+    steps = sum(r["ar_step_s"] * (r["new_tokens"] - 1) for r in rows) / decoded if decoded else 0.0
     fracs = ", ".join(f"{label} {100 * a['oracle_fraction_at_ar_step']:.0f}%" for label, a in aggregates.items()
                       if label.startswith(f"{kind}/") and a.get("oracle_fraction_at_ar_step") is not None)
     ar = aggregates.get(BASELINE, {}).get("tokens_per_s")

@@ -160,11 +160,10 @@ class BenchRun:
         else:
             rounds, drafted = orc.oracle_rounds(agree, window), None
         result = {"prompt": p.key, "disagreements": agree.count(False), **orc.bound(rounds, curve, t_prefill, drafted)}
+        # the same rounds at what `ar` paid per token on this prompt (a one-token answer has no step)
         step = orc.ar_step([r for r in self.records[BASELINE] if r["prompt"] == p.key], t_prefill)
-        if step is not None:  # the same rounds at what `ar` paid per token on this prompt
-            at_ar = orc.bound(rounds, orc.at_step_cost(curve, step), t_prefill, drafted)
-            result |= {"ar_step_s": step, "time_at_ar_step_s": at_ar["time_s"]}
-        return result
+        at_ar = result if step is None else orc.bound(rounds, orc.at_step_cost(curve, step), t_prefill, drafted)
+        return result | {"ar_step_s": step, "time_at_ar_step_s": at_ar["time_s"]}
 
 
 def run_bench(s: BenchSettings, models: Models | None = None, progress: bool = True) -> dict:

@@ -85,6 +85,25 @@ def test_fractions_at_ar_step_only_where_every_prompt_has_it():
     assert "oracle_fraction_at_ar_step" not in aggregates["hf/constant"]
 
 
+def test_the_report_line_at_ar_step_skips_one_token_answers():
+    """A one-token answer has no decoding step (ar_step None, its bound is its prefill): the
+    report's mean step is over the prompts that decoded."""
+    from specd.bench.report import _oracle_lines
+
+    rows = [{"new_tokens": 11, "time_s": 1.0, "ar_step_s": 0.04, "time_at_ar_step_s": 1.2,
+             "verifications": 5, "draft_lengths": []},
+            {"new_tokens": 1, "time_s": 0.1, "ar_step_s": None, "time_at_ar_step_s": 0.1,
+             "verifications": 1, "draft_lengths": [0]}]
+    entry = {"per_prompt": rows, "cost_curve": {"t_draft_s": 0.01, "k": [1, 2], "t_target_s": [0.035, 0.04]}}
+    oracle = {"window": 16, "drafters": {"hf": entry}}
+    aggregates = {"ar": {"tokens_per_s": 8.0}, "hf/constant": {"tokens_per_s": 9.1}}
+    add_oracle_fractions(aggregates, [{"label": "hf/constant", "drafter": "hf"}], oracle)
+    assert entry["tokens_per_s_at_ar_step"] == pytest.approx(12 / 1.3)
+    lines = "\n".join(_oracle_lines(oracle, aggregates))
+    assert "(40.0 ms mean, against the curve's t_target(1) 35.0 ms): 9.2 tok/s, 1.15× ar" in lines
+    assert "hf/constant 99%" in lines
+
+
 def test_branch_reach_is_what_the_hybrids_branches_match(tiny_target):
     hybrid = HybridDrafter(EarlyExitDrafter(tiny_target, 2), NgramDrafter())
     assert hybrid.branch_length == 4
