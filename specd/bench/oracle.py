@@ -103,8 +103,8 @@ def ar_step(records: Sequence[dict], t_prefill: float) -> float | None:
 
 def at_step_cost(curve: CostCurve, step: float) -> CostCurve:
     """The curve scaled so that a one-token target forward costs `step` (every t_target(k) alike;
-    the draft's cost is kept)."""
-    return dataclasses.replace(curve, scale=step / curve.t_target_k[0])
+    the draft's cost is kept), whatever window sizes it was measured at."""
+    return dataclasses.replace(curve, scale=curve.scale * step / curve.t_target(1))
 
 
 @torch.inference_mode()

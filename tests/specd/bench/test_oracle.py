@@ -65,6 +65,9 @@ def test_at_ar_step_the_bound_without_agreement_is_ars_own_time():
     # every target cost is scaled alike, the draft's is kept, the measured curve is untouched
     assert bound([0, 2], scaled, t_prefill=1.0)["time_s"] == pytest.approx(1.0 + 2 * 0.5 + 1.25 * 3.0)
     assert curve.t_target(1) == 1.0 and scaled.t_draft == 0.5
+    # a curve measured from k = 2 on: t_target(1) is its extrapolation, and still becomes ar's step
+    assert at_step_cost(CostCurve(t_draft=0.5, ks=[2, 4], t_target_k=[2.0, 4.0]), 1.25).t_target(1) == \
+        pytest.approx(1.25)
 
 
 def test_fractions_at_ar_step_only_where_every_prompt_has_it():
