@@ -80,7 +80,8 @@ def merge_docs(parts: list[dict]) -> dict:
         "parts": [{"results": part["_path"], "command": part["command"], "prompts": len(part["prompts"]),
                    "first_prompt": part["prompts"][0]["key"], "last_prompt": part["prompts"][-1]["key"],
                    "cost_curves": {k: e["cost_curve"] for k, e in part["oracle"].get("drafters", {}).items()
-                                   if "cost_curve" in e}}
+                                   if "cost_curve" in e},
+                   "policy_cost_curves": part.get("policy_cost_curves", {})}
                   for part in parts],
     }
 

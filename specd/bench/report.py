@@ -51,6 +51,7 @@ def results_doc(run, oracle: dict) -> dict:
         "records": run.records,
         "aggregates": aggregates,
         "oracle": oracle,
+        "policy_cost_curves": run.policy_curves,
         "contention": contention_summary(run.records, BASELINE),
     }
 
@@ -114,6 +115,7 @@ def report_md(doc: dict) -> str:
                      f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
                      f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
     lines += _oracle_lines(doc["oracle"], doc["aggregates"])
+    lines += _policy_curve_lines(doc.get("policy_cost_curves"))
     lines += _parts_lines(doc.get("parts"))
     lines += _contention_lines(doc.get("contention", {"measured": False}))
     skipped = [c for c in doc["configs"] if c["skipped"]]
@@ -159,6 +161,23 @@ def _at_ar_step_line(kind: str, e: dict, aggregates: dict) -> str:
             f"on it ({1e3 * steps:.1f} ms mean, against the curve's t_target(1) "
             f"{1e3 * e['cost_curve']['t_target_s'][0]:.1f} ms): {e['tokens_per_s_at_ar_step']:.1f} tok/s{vs_ar}"
             + (f"; % of it: {fracs}" if fracs else ""))
+
+
+def _policy_curve_lines(curves: dict | None) -> list[str]:
+    """The cost curve the policies decided on (cost-aware, draft trees): the engine's start-up
+    measurement and where the rounds' observations left it."""
+    if not curves:
+        return []
+
+    def brief(c: dict) -> str:
+        t = dict(zip(c["k"], c["t_target_s"]))
+        return (f"t_draft {1e3 * c['t_draft_s']:.2f} ms, t_target(1) {1e3 * t[c['k'][0]]:.1f} ms"
+                + (f", t_target(2) {1e3 * t[2]:.1f} ms" if 2 in t else ""))
+
+    out = ["", "The policies' cost curve (cost-aware, draft trees), measured at start-up and followed by the rounds:"]
+    for kind, c in curves.items():
+        out.append(f"- {kind}: start {brief(c['start'])}" + (f"; end {brief(c['end'])}" if "end" in c else ""))
+    return out
 
 
 def _parts_lines(parts: list[dict] | None) -> list[str]:

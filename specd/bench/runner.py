@@ -70,6 +70,9 @@ class BenchRun:
         self.prompt_ids: dict[str, list[int]] = {}
         self.records: dict[str, list[dict]] = {c.label: [] for c in self.configs if not c.skip}
         self.baseline_ids: dict[tuple[int, str], list[int]] = {}  # (repeat, prompt key) -> tokens
+        # The curve the policies decided on (cost-aware, draft trees), per drafter: as measured at
+        # start-up and as the rounds left it (t_draft and the level follow what they observed).
+        self.policy_curves: dict[str, dict[str, dict]] = {}
 
     # -- prompts ----------------------------------------------------------------------------
     def encode_prompts(self) -> None:
@@ -104,7 +107,7 @@ class BenchRun:
             # (draft trees size themselves on the curve, whatever the policy)
             trees = c.branches if c.branches is not None else c.drafter and self.m.drafters[c.drafter].branches
             if not c.skip and c.policy != NO_SPECULATION and (policy_class(c.policy).needs_costs or trees):
-                _ = self.engines[c.drafter].costs
+                self.policy_curves.setdefault(c.drafter, {"start": self.engines[c.drafter].costs.to_dict()})
 
     def run_all(self, progress: bool = True) -> None:
         active = [c for c in self.configs if not c.skip]
@@ -123,6 +126,8 @@ class BenchRun:
                             self.baseline_ids[(rep, p.key)] = tokens
                         self.records[c.label].append({"prompt": p.key, "repeat": rep, **record, **share.record()})
                         bar.update()
+        for kind, curves in self.policy_curves.items():
+            curves["end"] = self.engines[kind].costs.to_dict()
 
     # -- oracle -----------------------------------------------------------------------------
     def oracle(self) -> dict:

@@ -52,6 +52,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
         assert agg["mean_accepted_tokens"] >= 1.0 and agg["oracle_fraction"] > 0
         for r in doc["records"][label]:
             assert r["new_tokens"] == sum(r["accepted_lengths"]) + r["verifications"]
+    assert doc["policy_cost_curves"] == {}  # no policy here decides on the cost curve
     bound = doc["oracle"]["drafters"]["hf"]
     assert len(bound["per_prompt"]) == 3 and len(bound["cost_curve"]["t_target_s"]) == 16
     for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
@@ -65,6 +66,21 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     assert doc["contention"]["measured"] == Path("/proc/stat").exists()
     for png in ("speedup.png", "draft_lengths.png", "accepted_lengths.png", "entropy.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_curve_cost_aware_decided_on_is_recorded(tiny_dirs, dataset, tmp_path, specd_cli):
+    """results.json keeps the policies' cost curve as measured at start-up and as the rounds
+    left it (the payoff gate's inputs; docs/benchmarks.md found it settling either way)."""
+    out = tmp_path / "out"
+    code, _, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--policies", "cost-aware", "--baselines", "ar",
+                                        "--limit", "1"))
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    curves = doc["policy_cost_curves"]["hf"]
+    for when in ("start", "end"):
+        assert curves[when]["t_draft_s"] > 0 and len(curves[when]["t_target_s"]) == len(curves[when]["k"])
+    assert curves["start"] != curves["end"]  # the rounds moved it
+    assert "- hf: start t_draft" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize("seed", [3, None])

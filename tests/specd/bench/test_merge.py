@@ -63,6 +63,7 @@ def test_merge_keeps_the_records_and_recomputes_the_summaries(parts, tmp_path, s
         doc["aggregates"]["hf/constant"]["tokens_per_s"] / at_ar)
     assert doc["contention"]["runs"] == 3
     assert [p["prompts"] for p in doc["parts"]] == [1, 2] and "hf" in doc["parts"][1]["cost_curves"]
+    assert [p["policy_cost_curves"] for p in doc["parts"]] == [a["policy_cost_curves"], b["policy_cost_curves"]]
     report = (tmp_path / "m" / "report.md").read_text()
     assert "Joined from 2 runs" in report and "1#t1 to 2#t1 (2 prompts)" in report
     assert {p.name for p in (tmp_path / "m").glob("*.png")} == {"speedup.png", "draft_lengths.png",
