@@ -37,7 +37,7 @@ def _load_model(args, spec: str):
     from specd.models import load_model
 
     return load_model(spec, args.device, args.dtype, args.cache_dir, getattr(args, "linear_kernels", "auto"),
-                      getattr(args, "forward", "auto"))
+                      getattr(args, "forward", "auto"), getattr(args, "cuda_graphs", "auto"))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +66,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
                         "Llama on the CPU (transformers' logits bit for bit, about 1.2x faster a step, "
                         "docs/engine.md); hf: transformers' forward")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="auto: on a CUDA device, run the target from a preallocated KV pool with each "
+                        "forward shape captured in a CUDA graph on first use (docs/engine.md); off: "
+                        "eager forwards over growing caches")
     p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
 
@@ -441,7 +445,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees, args.forward, args.offset)
+        args.trees, args.forward, args.offset, args.cuda_graphs)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

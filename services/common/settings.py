@@ -93,6 +93,20 @@ class TargetSettings(ModelSettings):
     metrics_port: int = Field(9102, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a transformers directory")
     max_batch_size: int = Field(8, ge=1, le=256, description="most sessions verified in one forward pass")
+    kv_slots: int = Field(16, ge=0, le=4096,
+                          description="sessions the preallocated KV pool holds; a session beyond them is "
+                                      "refused at once (RESOURCE_EXHAUSTED). 0: no pool, each session "
+                                      "grows its own cache (also used for models the lean forward "
+                                      "does not support)")
+    kv_max_len: int = Field(4608, ge=2, le=1 << 20,
+                            description="positions (prompt and answer) of one KV slot, at most the model's "
+                                        "context")
+    prefill_chunk: int = Field(256, ge=0, le=1 << 20,
+                               description="prompt tokens prefilled per forward, so that a long prompt does "
+                                           "not stall other sessions' verifications (0: whole prompts)")
+    cuda_graphs: str = Field("auto", pattern="^(auto|on|off)$",
+                             description="capture the pool's forwards in CUDA graphs at start-up (auto: on a "
+                                         "CUDA device with a KV pool)")
 
 
 class CoordinatorSettings(GrpcServiceSettings):

@@ -32,10 +32,11 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
         torch.set_num_threads(s.threads)
     model = draft_model = None
     if s.drafter in ("early-exit", "feature"):
-        model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
+        model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward,
+                           cuda_graphs="off")
     elif s.drafter == "hf":
         model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels,
-                                         s.forward)
+                                         s.forward, cuda_graphs="off")  # sessions without a slot cap
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter, s.datastore,
                             model_name(s.target_model))
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)

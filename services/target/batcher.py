@@ -1,9 +1,11 @@
 """Verification of concurrent sessions in one forward pass.
 
 Sessions submit jobs (new ids after their cache, how many logits they need); one worker
-takes every job queued while the previous forward ran and runs them as one batch
-(specd.models.batch.batched_extend_hidden), so batching costs no added latency: a lone request
-is run at once, and requests arriving during a forward share the next one.
+takes every job queued while the previous forward ran and runs them as one batch, so batching
+costs no added latency: a lone request is run at once, and requests arriving during a forward
+share the next one. Sessions in the target's KV pool (specd.models.pool) run as one pooled
+forward that reads and writes their slots in place; other sessions are copied into a padded
+batch cache (specd.models.batch.batched_extend_hidden).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.models.batch import batched_extend_hidden
+from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
 
 
 @dataclass
 class Job:
-    session: KVSession
+    session: KVSession | PoolSession
     ids: list[int]
     num_logits: int
     then: Callable[[torch.Tensor, torch.Tensor | None], object]  # on the compute thread: (logits, hidden)
@@ -57,7 +60,7 @@ class VerifyBatcher:
         self.decode_cost = DecodeCost()
         self._worker: asyncio.Task | None = None
 
-    async def submit(self, session: KVSession, ids: list[int], num_logits: int,
+    async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
                      then: Callable[[torch.Tensor, torch.Tensor | None], object],
                      want_hidden: bool = False) -> tuple[object, BatchInfo]:
         """Extend session by ids in the next forward; returns then(logits, hidden) and the
@@ -93,8 +96,12 @@ class VerifyBatcher:
 
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
-        out = batched_extend_hidden(self.model, [j.session for j in jobs], [j.ids for j in jobs],
-                                    [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
+        sessions = [j.session for j in jobs]
+        args = ([j.ids for j in jobs], [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
+        if all(isinstance(s, PoolSession) for s in sessions):  # one forward over the pool, in place
+            out = pooled_extend(sessions, *args)
+        else:
+            out = batched_extend_hidden(self.model, sessions, *args)
         info = BatchInfo(time.perf_counter() - t0, len(jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)

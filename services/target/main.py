@@ -21,8 +21,28 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
-    return TargetServicer(target, s.max_batch_size)
+    target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off")
+    use_pool(target, s)
+    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk)
+
+
+def use_pool(target, s: TargetSettings) -> None:
+    """Open sessions in a preallocated KV pool (and capture CUDA graphs) where the settings and
+    the model allow; otherwise sessions keep growing caches of their own."""
+    from specd.models.lean import supports
+
+    if s.kv_slots == 0:
+        return
+    if not supports(target.model):
+        log.warning("target %s: no KV pool (the lean forward does not support this model)", target.name)
+        return
+    graphs = s.cuda_graphs == "on" or (s.cuda_graphs == "auto" and target.device.type == "cuda")
+    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs)
+    log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
+             pool.k.numel() * pool.k.element_size() * 2 / 2**30)
+    if pool.graphs is not None:
+        seconds = pool.graphs.capture(progress=log.info)
+        log.info("CUDA graphs captured in %.1f s", seconds)
 
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:

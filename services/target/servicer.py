@@ -36,8 +36,10 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None):
+    def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
+                 prefill_chunk: int = 0):
         self.target = target
+        self.prefill_chunk = prefill_chunk
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")  # one model, one compute thread
         self.sessions: set[TargetSession] = set()
         self.registry = registry or new_registry()
@@ -85,7 +87,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sessions.add(session)
         try:
             t0 = time.perf_counter()
-            await loop.run_in_executor(self.executor, session.prefill)
+            while await loop.run_in_executor(self.executor, session.prefill, self.prefill_chunk):
+                pass  # other sessions' forwards run between the chunks
             prefill_s = time.perf_counter() - t0
             async for msg in stream:
                 kind = msg.WhichOneof("kind")

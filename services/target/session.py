@@ -28,12 +28,19 @@ class TargetSession:
             self.generator = torch.Generator(device=target.device)
             self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
 
-    def prefill(self) -> None:
-        """Cache all but the last prompt token while the draft drafts its first window."""
-        if len(self.seq) > 1:
-            n = len(self.seq) - 1 if self.features else 1
-            _, hidden = self.kv.extend(self.seq[:-1], n, self.features)
-            self.prompt_features = hidden
+    def prefill(self, chunk: int = 0) -> bool:
+        """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft
+        drafts its first window; True while more remain. A long prompt prefilled in chunks lets
+        other sessions' verifications run between them (chunked prefill)."""
+        todo = self.seq[self.kv.length:len(self.seq) - 1]
+        if not todo:
+            return False
+        part = todo[:chunk] if chunk > 0 else todo
+        _, hidden = self.kv.extend(part, len(part) if self.features else 1, self.features)
+        if self.features:
+            self.prompt_features = hidden if self.prompt_features is None else torch.cat([self.prompt_features,
+                                                                                         hidden])
+        return len(part) < len(todo)
 
     def window(self, drafts: list[int]) -> list[int]:
         """The ids to feed for verifying drafts: uncached committed tokens, then the drafts."""

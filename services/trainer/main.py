@@ -116,7 +116,7 @@ def build_loop(s: TrainerSettings, registry: CollectorRegistry | None = None) ->
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir)
+    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, cuda_graphs="off")  # trains: growing caches
     drafter = build_drafter("early-exit", target, None, s.draft_layers, s.draft_adapter)
     trainer = trainer_for(drafter, TrainerConfig(rank=s.rank, lr=s.lr, batch_size=s.batch_size,
                                                  kl_steps=s.kl_steps))

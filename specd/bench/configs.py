@@ -48,6 +48,7 @@ class BenchSettings:
     trees: bool = False  # also run lookup drafters with draft trees (specd.tree)
     forward: str = "auto"  # auto | lean | hf (specd/models/lean.py)
     offset: int = 0  # questions skipped before the first one used
+    cuda_graphs: str = "auto"  # auto | on | off (specd/models/graphs.py)
 
     @property
     def greedy(self) -> bool:

@@ -35,8 +35,9 @@ class Models:
 def load_models(s: BenchSettings) -> Models:
     from specd.models import load_model
 
-    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
-    draft_model = (load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward)
+    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, s.cuda_graphs)
+    draft_model = (load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward,
+                              s.cuda_graphs)
                    if s.draft_model else None)
     drafters = {d: build_drafter(d, target, draft_model, s.draft_layers, s.draft_adapter, s.datastore)
                 for d in s.drafters}

@@ -36,6 +36,7 @@ from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab, read_a
 from specd.errors import InvalidRequest, ModelError
 from specd.models.lean import LeanLlama
 from specd.models.loading import LoadedModel
+from specd.models.pool import KVPool
 from specd.models.session import KVSession
 
 ADAPTERS = ("mlp", "layer")
@@ -93,6 +94,7 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
             kept.append(self.extra_layer)
         self.decoder = shallow_decoder(base, kept)
         self._lean: LeanLlama | None = None  # built by the first lean session
+        self._kv_pool: KVPool | None = None  # built by the first session when the target has a pool
         self.lm_head = target.model.get_output_embeddings()
         self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
         self.set_vocab(None)  # ReducedVocab: a trained adapter may bring its own
@@ -138,12 +140,35 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
 
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
         vocab_size = vocab_size or self.target.vocab_size
+        if self.target.pool is not None:  # the target runs from a KV pool: so do its first layers
+            if self._kv_pool is None:
+                self._kv_pool = _pool_of(self)
+            return ModelDraftSession(self._kv_pool.session(), vocab_size)
         if self.target.forward_kind() != "lean":
             return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size)
         if self._lean is None:
             self._lean = LeanLlama(self.target.model, list(self.decoder.layers))
         # new_cache re-fuses weights that changed since the last session (training the layer adapter)
         return ModelDraftSession(KVSession(self.lean_forward, self.target.device, self._lean.new_cache()), vocab_size)
+
+
+def _pool_of(drafter: EarlyExitDrafter) -> KVPool:
+    """The drafter's own KV pool, shaped like its target's (CUDA graphs too, if the target's
+    forwards are captured)."""
+    target = drafter.target.pool
+    if drafter._lean is None:
+        drafter._lean = LeanLlama(drafter.target.model, list(drafter.decoder.layers))
+
+    def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, adapted = drafter.head_logits(h, True)
+        return logits.float(), adapted
+
+    pool = KVPool(drafter._lean, target.num_slots, target.max_len, head=head)
+    if target.graphs is not None:
+        from specd.models.graphs import GraphRunner
+
+        GraphRunner(pool)
+    return pool
 
 
 def _prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

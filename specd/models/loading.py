@@ -13,7 +13,8 @@ import torch
 from specd.errors import InvalidRequest, ModelError
 from specd.models.embedded import EMBEDDED_NAME, embedded_dir
 from specd.models.kernels import check_kernels, use_kernels
-from specd.models.lean import LeanLlama, check_forward, choose_forward
+from specd.models.lean import LeanLlama, check_forward, choose_forward, supports
+from specd.models.pool import KVPool, PoolSession
 from specd.models.session import KVSession, hf_forward
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
@@ -31,6 +32,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     forward: str = "auto"  # auto | lean | hf: how KV sessions run the model (specd/models/lean.py)
     _lean: LeanLlama | None = field(default=None, init=False, repr=False)
+    pool: KVPool | None = field(default=None, init=False, repr=False)  # static KV slots, once enabled
 
     def __post_init__(self) -> None:
         choose_forward(self.model, self.forward, self.device)  # refuses what cannot run
@@ -43,7 +45,27 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
-    def session(self) -> KVSession:
+    def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False) -> KVPool:
+        """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
+        `max_len` positions (default the model's context), with forwards captured in CUDA
+        graphs when `graphs` (a CUDA model only). Needs a model the lean forward supports."""
+        if not supports(self.model):
+            raise InvalidRequest("kv_slots", "a KV pool needs a plain Llama model on one device")
+        if graphs and self.device.type != "cuda":
+            raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
+        if self._lean is None:
+            self._lean = LeanLlama(self.model)
+        self.pool = KVPool(self._lean, slots, min(max_len or self.max_context, self.max_context))
+        self.max_context = self.pool.max_len  # what a session can hold now: prompts and windows are checked on it
+        if graphs:
+            from specd.models.graphs import GraphRunner
+
+            GraphRunner(self.pool)
+        return self.pool
+
+    def session(self) -> KVSession | PoolSession:
+        if self.pool is not None:
+            return self.pool.session()
         if self.forward_kind() == "lean":
             if self._lean is None:
                 self._lean = LeanLlama(self.model)
@@ -105,20 +127,28 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+GRAPH_MODES = ("auto", "on", "off")
+GRAPH_SLOTS = 8  # sessions of the pool load_model opens for CUDA graphs (a service sizes its own)
+
+
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
-               linear_kernels: str = "auto", forward: str = "auto") -> LoadedModel:
+               linear_kernels: str = "auto", forward: str = "auto", cuda_graphs: str = "auto") -> LoadedModel:
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
     linear_kernels: auto | onednn | torch (specd/models/kernels.py; auto packs the weights for
     oneDNN on a float32 CPU model). forward: auto | lean | hf (specd/models/lean.py; auto runs
-    the lean Llama forward on the CPU)."""
+    the lean Llama forward on the CPU). cuda_graphs: auto | on | off (auto: on a CUDA device,
+    for a model the lean forward supports, sessions open in a KV pool whose forwards are
+    captured in CUDA graphs on first use, specd/models/graphs.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_kernels(linear_kernels)  # before the load: a typo costs no time
     check_forward(forward)
+    if cuda_graphs not in GRAPH_MODES:
+        raise InvalidRequest("cuda_graphs", f"unknown mode {cuda_graphs!r} ({', '.join(GRAPH_MODES)})")
     name = model_name(spec)
     if spec in EMBEDDED_ALIASES:
         path = embedded_dir(cache_dir)
@@ -141,8 +171,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer),
-                       forward)
+    loaded = LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer),
+                         forward)
+    if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and device != SHARD
+                               and supports(model)):
+        loaded.use_pool(GRAPH_SLOTS, graphs=True)
+    return loaded
 
 
 def model_name(spec: str) -> str:

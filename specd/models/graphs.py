@@ -1,0 +1,121 @@
+"""CUDA graphs for pooled forwards: one captured forward per bucket of (batch rows, query
+width, key span), replayed with new inputs copied into its static tensors.
+
+A step of a small model on a GPU is bound by kernel launches, not arithmetic: the embedded
+135M model runs about fifteen kernels per layer, thirty layers, each launched from Python.
+A graph replays all of them with one launch. It needs every tensor of the forward at a fixed
+address and shape, which the KV pool (`specd.models.pool`) provides: its keys and values are
+allocated once and written in place, and a forward's shape is fixed by (B, T, S).
+
+A forward is padded up to the smallest bucket that holds it (padded rows and columns write
+only the pool's trash slot and column, and are masked out), and runs eagerly when none does
+(a long prefill chunk, a batch wider than the largest bucket, a draft tree's custom mask).
+Graphs are captured lazily on a bucket's first use, and `capture` captures a set at start-up
+so that a running server never pays for one. All graphs share one memory pool: they replay one
+at a time, on the pool's compute thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specd.models.pool import KVPool, PoolRow, StepInputs
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 17)  # a verification window is at most 16 drafts + 1
+SPAN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def buckets_up_to(buckets: Sequence[int], limit: int) -> tuple[int, ...]:
+    """The buckets below limit, then limit itself (so that every size up to it has a bucket)."""
+    kept = [b for b in buckets if b < limit]
+    return tuple(kept + [limit])
+
+
+def pick_bucket(tables: Sequence[Sequence[int]], sizes: Sequence[int]) -> tuple[int, ...] | None:
+    """Per dimension the smallest bucket >= the size (tables sorted), or None if one has none."""
+    found = []
+    for table, size in zip(tables, sizes):
+        i = bisect.bisect_left(table, size)
+        if i == len(table):
+            return None
+        found.append(table[i])
+    return tuple(found)
+
+
+class _Graph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: StepInputs, output: torch.Tensor):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+
+class GraphRunner:
+    """Captures and replays pooled forwards on one CUDA device."""
+
+    def __init__(self, pool: KVPool, max_batch: int | None = None, max_width: int = WIDTH_BUCKETS[-1]):
+        assert pool.device.type == "cuda", "CUDA graphs need a CUDA pool"
+        self.pool = pool
+        self.batches = buckets_up_to(BATCH_BUCKETS, min(max_batch or pool.num_slots, pool.num_slots))
+        self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
+        self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.replays = self.eager = 0  # forwards run each way (for metrics and the device check)
+        pool.graphs = self
+
+    def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
+        """The smallest (B, T, S) holding a forward, or None when none does."""
+        return pick_bucket((self.batches, self.widths, self.spans), (batch, width, span))
+
+    def run(self, rows: Sequence[PoolRow]) -> tuple[torch.Tensor, int]:
+        """hidden [B', T', H] of rows (padded; row b's columns first) and the width T'."""
+        width = max(len(r.ids) for r in rows)
+        key = self.bucket(len(rows), width, self.pool.span(rows))
+        if key is None:
+            self.eager += 1
+            x = self.pool.inputs(rows, len(rows), width, self.pool.span(rows))
+            return self.pool.hidden(x), width
+        graph = self.graphs.get(key) or self._capture(key)
+        fresh = self.pool.inputs(rows, key[0], key[1], key[2], device=torch.device("cpu"))
+        static = graph.inputs
+        for name in ("input_ids", "write_pos", "rope_pos", "slots", "query_pos"):
+            getattr(static, name).copy_(getattr(fresh, name), non_blocking=True)
+        graph.graph.replay()
+        self.replays += 1
+        return graph.output, key[1]
+
+    @torch.inference_mode()
+    def _capture(self, key: tuple[int, int, int]) -> _Graph:
+        batch, width, span = key
+        static = self.pool.inputs([], batch, width, span)  # every row padded: writes only the trash
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy initialisations, autotuning)
+            for _ in range(2):
+                self.pool.hidden(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            output = self.pool.hidden(static)
+        self.graphs[key] = _Graph(graph, static, output)
+        return self.graphs[key]
+
+    def capture(self, keys: Sequence[tuple[int, int, int]] | None = None,
+                progress: Callable[[str], None] | None = None) -> float:
+        """Capture the given buckets (default every batch x width at the shortest span) now;
+        the seconds it took."""
+        keys = list(keys) if keys is not None else [(b, w, self.spans[0]) for b in self.batches for w in self.widths]
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys):
+            if key not in self.graphs:
+                self._capture(key)
+            if progress is not None and (i + 1 == len(keys) or (i + 1) % 8 == 0):
+                progress(f"captured {i + 1}/{len(keys)} CUDA graphs")
+        torch.cuda.synchronize(self.pool.device)
+        return time.perf_counter() - t0

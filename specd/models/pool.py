@@ -1,0 +1,295 @@
+"""Static KV memory: one preallocated pool of per-session slots, and a batched lean forward
+that reads and writes it in place.
+
+The pool holds every layer's keys and values in two tensors allocated once,
+
+    k, v: [layers, slots + 1, kv_heads, max_len + 1, head_dim]
+
+A session owns one slot and a length; rollback sets the length, closing returns the slot at
+once. A forward takes rows from any number of slots (a decode step, a verification window, a
+prefill chunk each) as one rectangular batch [B, T], right-padded:
+
+- each real new token writes its keys/values at (slot, position) in place (`index_put_`);
+- padded query columns write into the *trash column* `max_len`, and padded batch rows into the
+  *trash slot* `slots`, which nothing ever reads;
+- each row attends over the first S columns of its slot (gathered once per layer) under the
+  mask `key <= query position`, so stale keys past a row's length (rejected drafts, a shorter
+  rollback) are never seen: they are overwritten before a later query could reach them.
+
+Nothing is copied per session and nothing grows: every tensor of a forward has a shape fixed by
+(B, T, S). That is what lets `specd.models.graphs` capture a forward per bucket of those three
+in a CUDA graph and replay it. The arithmetic is the lean forward's (`specd.models.lean`), in
+the same order; only the attention reads a padded key range, whose masked keys get exactly
+zero weight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specd.errors import InvalidRequest, Overloaded
+from specd.models.lean import LeanLlama
+
+
+Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PoolRow:
+    """One row of a pooled forward: feed `ids` after the slot's first `start` positions and
+    return logits (and, if wanted, final-normed hidden states) of the last `num_logits`."""
+
+    slot: int
+    start: int
+    ids: Sequence[int]
+    num_logits: int
+    want_hidden: bool = False
+    mask: torch.Tensor | None = None  # a draft tree's bool mask [T, start + T] (True: attend)
+    positions: torch.Tensor | None = None  # a draft tree's rotary positions [T]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The padded tensors of one forward; what a CUDA graph takes as its static inputs."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    write_pos: torch.Tensor  # [B, T] long: cache column each query writes (trash when padded)
+    rope_pos: torch.Tensor  # [B, T] long: rotary position of each query
+    slots: torch.Tensor  # [B] long: pool slot of each row (trash when padded)
+    query_pos: torch.Tensor  # [B, T] long: a query sees keys 0..query_pos (padded queries: key 0)
+    span: int  # S: key columns read
+    tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
+
+
+class KVPool:
+    """Preallocated KV slots for one lean model. Slots may be taken and given back from any
+    thread; forwards run on one compute thread at a time (the target service's batcher)."""
+
+    def __init__(self, lean: LeanLlama, slots: int, max_len: int, head: Head | None = None):
+        """head: final-normed hidden states [n, H] -> (float32 logits [n, V], what a row that wants
+        hidden states gets); default the model's LM head and the states themselves (an
+        early-exit drafter brings its adapter and reduced head)."""
+        if slots < 1:
+            raise InvalidRequest("kv_slots", "must be at least 1")
+        if max_len < 2:
+            raise InvalidRequest("kv_max_len", "must be at least 2")
+        self.lean = lean
+        self.head = head or (lambda h: (lean.lm_head(h).float(), h))
+        self.num_slots, self.max_len = slots, max_len
+        self.device, self.dtype = lean.device, lean.dtype
+        shape = (len(lean.layers), slots + 1, lean.kv_heads, max_len + 1, lean.head_dim)
+        # zeros, not empty: the pages of an untouched slot stay unallocated on the CPU (calloc),
+        # and the trash slot/column hold finite values.
+        with torch.inference_mode(False):
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        lean._rope(0, max_len + 1, None)  # the rotary table for every column, trash included
+        self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest free slot
+        self._lock = threading.Lock()
+        self.lengths = [0] * slots
+        self.graphs = None  # a specd.models.graphs.GraphRunner, when forwards are captured
+
+    # slots ---------------------------------------------------------------------------------
+
+    @property
+    def trash_slot(self) -> int:
+        return self.num_slots
+
+    def in_use(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def acquire(self) -> int:
+        """A free slot, emptied; Overloaded when every slot is taken (never a wait)."""
+        with self._lock:
+            if not self._free:
+                raise Overloaded(f"all {self.num_slots} KV slots are in use")
+            slot = self._free.pop()
+            self.lengths[slot] = 0
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            assert 0 <= slot < self.num_slots and slot not in self._free, slot
+            self.lengths[slot] = 0
+            self._free.append(slot)
+            self._free.sort(reverse=True)
+
+    def bytes_per_token(self) -> int:
+        layers, _, heads, _, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()
+
+    def session(self) -> PoolSession:
+        fused = self.lean._fused_from
+        self.lean._refresh()  # weights trained in place since (an early-exit adapter layer): fuse anew
+        if self.lean._fused_from is not fused and self.graphs is not None:
+            self.graphs.graphs.clear()  # captured with the old fused weights' addresses
+        return PoolSession(self)
+
+    # forwards ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[PoolRow]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward over every row; per row float32 logits [num_logits, V] and the hidden
+        states of the same positions when wanted. Advances each slot's length by len(ids)."""
+        for r in rows:
+            assert 1 <= r.num_logits <= len(r.ids), (r.num_logits, len(r.ids))
+            assert r.start == self.lengths[r.slot], (r.start, self.lengths[r.slot])
+            if r.start + len(r.ids) > self.max_len:
+                raise InvalidRequest("tokens", f"the session would pass the KV slot's {self.max_len} positions")
+        assert len({r.slot for r in rows}) == len(rows), "a slot appears twice in one batch"
+        runner = self.graphs
+        if runner is not None and all(r.mask is None for r in rows):
+            hidden, width = runner.run(rows)
+        else:
+            inputs = self.inputs(rows, len(rows), max(len(r.ids) for r in rows), self.span(rows))
+            hidden, width = self.hidden(inputs), inputs.input_ids.shape[1]
+        for r in rows:
+            self.lengths[r.slot] = r.start + len(r.ids)
+        # Only the wanted rows go through the LM head (on a CPU the head is a large part of a step).
+        picks = [b * width + len(r.ids) - r.num_logits + j for b, r in enumerate(rows) for j in range(r.num_logits)]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        chosen = flat[torch.tensor(picks, device=self.device)]  # a copy: a graph's output is reused
+        logits, states = self.head(chosen)
+        out, at = [], 0
+        for r in rows:
+            n = r.num_logits
+            out.append((logits[at:at + n], states[at:at + n] if r.want_hidden else None))
+            at += n
+        return out
+
+    def span(self, rows: Sequence[PoolRow]) -> int:
+        """Key columns a forward must read: up to the furthest position any row writes."""
+        return max(r.start + len(r.ids) for r in rows)
+
+    def inputs(self, rows: Sequence[PoolRow], batch: int, width: int, span: int,
+               device: torch.device | None = None) -> StepInputs:
+        """The padded tensors for rows in a [batch, width] forward reading `span` key columns
+        (batch >= len(rows), width >= every row's length, span >= self.span(rows)), on
+        `device` (default the pool's)."""
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        write = torch.full((batch, width), self.max_len, dtype=torch.long)
+        rope = torch.zeros(batch, width, dtype=torch.long)
+        slots = torch.full((batch,), self.trash_slot, dtype=torch.long)
+        qpos = torch.zeros(batch, width, dtype=torch.long)  # padded queries see key 0 only: finite
+        trees = []
+        for b, r in enumerate(rows):
+            n = len(r.ids)
+            pos = torch.arange(r.start, r.start + n)
+            ids[b, :n] = torch.as_tensor(list(r.ids), dtype=torch.long)
+            write[b, :n] = pos
+            rope[b, :n] = pos if r.positions is None else r.positions.cpu()
+            slots[b] = r.slot
+            qpos[b, :n] = pos
+            if r.mask is not None:
+                trees.append((b, r))
+        mask = None
+        if trees:
+            mask = torch.arange(span)[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+            for b, r in trees:
+                n, cols = len(r.ids), r.start + len(r.ids)
+                mask[b, :n] = False
+                mask[b, :n, :cols] = r.mask.cpu()
+            mask = mask[:, None]
+        dev = self.device if device is None else device
+        return StepInputs(ids.to(dev), write.to(dev), rope.to(dev), slots.to(dev), qpos.to(dev), span,
+                          None if mask is None else mask.to(dev))
+
+    def hidden(self, x: StepInputs) -> torch.Tensor:
+        """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
+        shape is fixed by x, and nothing here reads a tensor back to the host (capturable)."""
+        lean = self.lean
+        batch, width = x.input_ids.shape
+        span = x.span
+        mask = x.tree_mask
+        if mask is None:
+            mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
+        cos, sin = self.cos[x.rope_pos][:, None], self.sin[x.rope_pos][:, None]  # [B, 1, T, D]
+        rows = x.slots[:, None]
+        h = lean.embed(x.input_ids)
+        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
+            a = lean._rms(norm_in, h)
+            q, k, v = qkv_proj(a).split((lean.q_size, lean.kv_size, lean.kv_size), dim=-1)
+            q = lean._rotate(q.view(batch, width, lean.heads, lean.head_dim).transpose(1, 2), cos, sin)
+            k = lean._rotate(k.view(batch, width, lean.kv_heads, lean.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(batch, width, lean.kv_heads, lean.head_dim)
+            pool_k, pool_v = self.k[i], self.v[i]
+            pool_k[rows, :, x.write_pos] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (slot, column)
+            pool_v[rows, :, x.write_pos] = v
+            keys = pool_k[:, :, :span].index_select(0, x.slots)
+            values = pool_v[:, :, :span].index_select(0, x.slots)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
+                                                 enable_gqa=lean.groups > 1)
+            h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
+            a = lean._rms(norm_post, h)
+            gate, up = gate_up_proj(a).chunk(2, dim=-1)
+            h = h + down_proj(F.silu(gate) * up)
+        return lean._rms(lean.norm, h)
+
+
+class PoolSession:
+    """A KV session (specd.models.session.KVSession's surface) whose cache is a pool slot."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.device = pool.device
+        self.slot = pool.acquire()
+        self.cache = pool  # None once closed, as KVSession's
+
+    @property
+    def length(self) -> int:
+        return self.pool.lengths[self.slot] if self.cache is not None else 0
+
+    def row(self, ids: Sequence[int], num_logits: int = 1, want_hidden: bool = False) -> PoolRow:
+        return PoolRow(self.slot, self.length, list(ids), num_logits, want_hidden)
+
+    def extend(self, ids: Sequence[int], num_logits: int = 1,
+               want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.pool.forward([self.row(ids, num_logits, want_hidden)])[0]
+
+    def extend_tree(self, pending: Sequence[int], tree, dtype: torch.dtype) -> torch.Tensor:
+        """KVSession.extend_tree on the pool: nodes are cached after the pending tokens in tree
+        order until keep_path."""
+        from specd.tree import tree_mask
+
+        assert pending, "a tree hangs from the last committed token"
+        additive, positions = tree_mask(tree, self.length, len(pending), dtype, self.device)
+        ids = list(pending) + tree.tokens
+        row = PoolRow(self.slot, self.length, ids, len(tree) + 1, False,
+                      additive[0, 0] == 0, positions[0])
+        return self.pool.forward([row])[0][0]
+
+    @torch.inference_mode()
+    def keep_path(self, base: int, nodes: list[int]) -> None:
+        if nodes != list(range(len(nodes))):
+            src = torch.tensor(nodes, device=self.device) + base
+            for t in (self.pool.k, self.pool.v):
+                t[:, self.slot, :, base:base + len(nodes)] = t[:, self.slot].index_select(2, src)
+        self.rollback(base + len(nodes))
+
+    def rollback(self, length: int) -> None:
+        if length < self.length:
+            self.pool.lengths[self.slot] = length
+
+    def nbytes(self) -> int:
+        """Bytes of the positions this session has cached (its slot is allocated either way)."""
+        return self.length * self.pool.bytes_per_token()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.pool.release(self.slot)
+            self.cache = None
+
+
+def pooled_extend(sessions: Sequence[PoolSession], ids: Sequence[Sequence[int]], num_logits: Sequence[int],
+                  want_hidden: Sequence[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """batched_extend_hidden for sessions of one pool: one forward, no copies."""
+    pool = sessions[0].pool
+    assert all(s.pool is pool for s in sessions), "sessions of different pools"
+    want = list(want_hidden) if want_hidden is not None else [False] * len(sessions)
+    return pool.forward([s.row(i, k, w) for s, i, k, w in zip(sessions, ids, num_logits, want)])

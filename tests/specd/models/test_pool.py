@@ -1,0 +1,156 @@
+"""The KV pool: one preallocated cache for many sessions, written in place by batched forwards.
+Every pooled forward must give each session what its own forward would (logits and the cache
+it leaves behind), whatever the batch's padding, and slots must come back at once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specd.errors import InvalidRequest, Overloaded
+from specd.models.graphs import BATCH_BUCKETS, buckets_up_to, pick_bucket
+from specd.models.pool import PoolRow, pooled_extend
+from specd.tree import DraftTree
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (n,), generator=gen).tolist()
+
+
+@pytest.fixture
+def pooled(tiny_target):
+    """The tiny target with its sessions in a 4-slot pool (the fixture's own model untouched)."""
+    model = replace(tiny_target, forward="lean")
+    model.use_pool(4, 256)
+    return model
+
+
+@pytest.fixture
+def lean(tiny_target):
+    return replace(tiny_target, forward="lean")
+
+
+PREFIXES = [_tokens(5, 1), _tokens(17, 2), _tokens(40, 3)]
+NEW = [_tokens(1, 4), _tokens(4, 5), _tokens(7, 6)]
+NUM_LOGITS = [1, 3, 7]
+
+
+def _prefilled(model, prefixes):
+    sessions = [model.session() for _ in prefixes]
+    for s, p in zip(sessions, prefixes):
+        s.extend(p, 1)
+    return sessions
+
+
+def test_one_pooled_session_computes_the_lean_forward_bit_for_bit(pooled, lean):
+    """A lone session reads exactly its own keys: no padding, so the same arithmetic."""
+    a, b = pooled.session(), lean.session()
+    for ids, k in ((PREFIXES[1], 3), ([9], 1), (NEW[2], 7)):
+        assert torch.equal(a.extend(ids, k)[0], b.extend(ids, k)[0])
+    a.rollback(10)
+    b.rollback(10)
+    assert torch.equal(a.extend(NEW[1], 4)[0], b.extend(NEW[1], 4)[0])
+
+
+def test_batched_pooled_forward_equals_individual_extends(pooled, lean):
+    got = pooled_extend(_prefilled(pooled, PREFIXES), NEW, NUM_LOGITS, [True, False, True])
+    ref = _prefilled(lean, PREFIXES)
+    for (logits, hidden), r, ids, k, wanted in zip(got, ref, NEW, NUM_LOGITS, [True, False, True]):
+        want_logits, want_hidden = r.extend(ids, k, True)
+        assert logits.shape == (k, pooled.vocab_size) and logits.dtype == torch.float32
+        torch.testing.assert_close(logits, want_logits, **TOL)
+        assert (hidden is None) != wanted
+        if wanted:
+            torch.testing.assert_close(hidden, want_hidden, **TOL)
+        assert torch.equal(logits.argmax(-1), want_logits.argmax(-1))
+
+
+def test_sessions_keep_decoding_after_batched_forwards_and_rollbacks(pooled, lean):
+    """Rejected drafts are forgotten by length alone: the stale keys past it are never read."""
+    sessions, refs = _prefilled(pooled, PREFIXES), _prefilled(lean, PREFIXES)
+    pooled_extend(sessions, NEW, NUM_LOGITS)
+    for r, ids in zip(refs, NEW):
+        r.extend(ids, 1)
+    for s, r, keep in zip(sessions, refs, (5, 18, 44)):  # roll back into the window or before it
+        s.rollback(keep)
+        r.rollback(keep)
+        assert s.length == r.length == keep
+    nxt = [[11, 12], [13], [14, 15, 16]]
+    got = pooled_extend(sessions, nxt, [2, 1, 3])
+    for (logits, _), r, ids in zip(got, refs, nxt):
+        torch.testing.assert_close(logits, r.extend(ids, len(ids))[0], **TOL)
+
+
+def test_padded_forward_equals_the_unpadded_one(pooled):
+    """What a CUDA graph bucket does on the CPU: extra rows (the trash slot), extra query
+    columns (the trash column) and a longer key span change no real row's output, and leave
+    every real slot as the unpadded forward would."""
+    pool = pooled.pool
+    a = _prefilled(pooled, PREFIXES[:2])
+    rows = [s.row(ids, len(ids)) for s, ids in zip(a, NEW[1:])]
+    exact = pool.hidden(pool.inputs(rows, 2, 7, pool.span(rows)))
+    padded = pool.hidden(pool.inputs(rows, 8, 17, 256))
+    for b, r in enumerate(rows):
+        torch.testing.assert_close(padded[b, :len(r.ids)], exact[b, :len(r.ids)], **TOL)
+    for s, ids in zip(a, NEW[1:]):  # the forward ran outside pool.forward: advance by hand
+        pool.lengths[s.slot] += len(ids)
+    follow = pooled_extend(a, [[21], [22]], [1, 1])
+    lean = replace(pooled)  # the same weights, sessions with growing caches
+    for (logits, _), prefix, ids, nxt in zip(follow, PREFIXES[:2], NEW[1:], (21, 22)):
+        r = lean.session()
+        r.extend(prefix + ids, 1)
+        torch.testing.assert_close(logits, r.extend([nxt], 1)[0], **TOL)
+
+
+def test_a_tree_forward_and_keep_path_match_the_growing_cache(pooled, lean):
+    tree = DraftTree.from_chain([5, 6])
+    tree.add([7, 8], 2)  # a side branch beside the chain
+    a, b = pooled.session(), lean.session()
+    a.extend(PREFIXES[1][:-1])
+    b.extend(PREFIXES[1][:-1])
+    torch.testing.assert_close(a.extend_tree(PREFIXES[1][-1:], tree, torch.float32),
+                               b.extend_tree(PREFIXES[1][-1:], tree, torch.float32), **TOL)
+    base = len(PREFIXES[1])
+    a.keep_path(base, [2, 3])
+    b.keep_path(base, [2, 3])
+    assert a.length == b.length == base + 2
+    torch.testing.assert_close(a.extend([9, 10], 2)[0], b.extend([9, 10], 2)[0], **TOL)
+
+
+def test_a_full_pool_refuses_at_once_and_closing_frees_the_slot(pooled):
+    pool = pooled.pool
+    sessions = [pooled.session() for _ in range(4)]
+    assert pool.in_use() == 4
+    with pytest.raises(Overloaded):
+        pooled.session()
+    sessions[2].close()
+    sessions[2].close()  # idempotent
+    again = pooled.session()
+    assert again.slot == sessions[2].slot and again.length == 0
+    for s in sessions[:2] + sessions[3:] + [again]:
+        s.close()
+    assert pool.in_use() == 0 and pooled.session().nbytes() == 0
+
+
+def test_a_session_cannot_grow_past_its_slot(pooled):
+    assert pooled.max_context == 256  # prompts and windows are checked against the slot
+    s = pooled.session()
+    s.extend(_tokens(250, 7), 1)
+    with pytest.raises(InvalidRequest, match="tokens"):
+        s.extend(_tokens(7, 8), 1)
+    assert s.length == 250  # the refused forward changed nothing
+
+
+def test_buckets_take_the_smallest_that_holds_a_forward():
+    batches = buckets_up_to(BATCH_BUCKETS, 12)
+    assert batches == (1, 2, 4, 8, 12)
+    tables = (batches, (1, 2, 4, 8, 17), (256, 512))
+    assert pick_bucket(tables, (3, 5, 300)) == (4, 8, 512)
+    assert pick_bucket(tables, (12, 17, 256)) == (12, 17, 256)
+    assert pick_bucket(tables, (13, 1, 10)) is None  # wider than the largest: run eagerly
+    assert pick_bucket(tables, (1, 18, 10)) is None
