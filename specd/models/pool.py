@@ -36,6 +36,10 @@ from specd.errors import InvalidRequest, Overloaded
 from specd.models.lean import LeanLlama
 
 
+# Windows up to this many query rows attend through batched matrix products rather than a fused
+# attention kernel, whose tiles are mostly idle for so few rows (docs/engine.md, "Static KV memory").
+MATMUL_ATTENTION_WIDTH = 32
+
 Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -271,6 +275,7 @@ class KVPool:
             mask = mask[:, None]
         # An additive mask, made once per forward rather than converted by every layer's attention.
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        bias_rows = bias.expand(batch, heads, width, span).reshape(-1, width, span)  # per (row, head)
         cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
         slot_rows, head_rows = x.slots[:, None], self.head_map[None, :]
         write_rows = x.slots[:, None]
@@ -286,8 +291,13 @@ class KVPool:
             pool_v[write_rows, :, x.write_pos] = v
             keys = pool_k[slot_rows, head_rows, :span]  # [B, heads, S, D]: each query head's KV head
             values = pool_v[slot_rows, head_rows, :span]
-            out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
-                                                 scale=lean.scaling)
+            q = qk[:, :, :heads].transpose(1, 2)
+            if width <= MATMUL_ATTENTION_WIDTH:  # a few query rows: three small kernels beat one fused
+                scores = torch.baddbmm(bias_rows, q.reshape(-1, width, dim), keys.reshape(-1, span, dim).transpose(1, 2),
+                                       alpha=lean.scaling)
+                out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim)).view(batch, heads, width, dim)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=lean.scaling)
             h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
             a = F.rms_norm(h, (h.shape[-1],), norm_post.weight, norm_post.variance_epsilon)
             gate, up = gate_up_proj(a).chunk(2, dim=-1)
