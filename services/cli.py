@@ -66,8 +66,10 @@ def add_commands(sub) -> None:
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health checks")
     up.set_defaults(func=cmd_up)
     from services.bench import add_command
+    from services.bench_load import add_command as add_load_command
 
     add_command(sub)
+    add_load_command(sub)
 
 
 def _settings(name: str, args: argparse.Namespace):
@@ -157,12 +159,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     procs: dict[str, subprocess.Popen] = {}
     plan = _plan(args)
     try:
-        for name, flags, port in plan:
-            log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
-            procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", name, "--port", str(port), *flags],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
-            _wait_healthy(name, port, procs, log_dir, args.startup_timeout)
+        start_stack(plan, procs, log_dir, args.startup_timeout)
         url = f"http://127.0.0.1:{plan[-1][2]}"
         _announce(url, plan)
         if not args.no_sample:
@@ -179,6 +176,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         _stop(procs)
+
+
+def start_stack(plan: list[tuple[str, list[str], int]], procs: dict[str, subprocess.Popen], log_dir: Path,
+                timeout_s: float) -> None:
+    """Start each planned service as its own `specd serve` process, in order, each once the one
+    before passes its health check; procs fills as they start (the caller stops them, _stop)."""
+    for name, flags, port in plan:
+        log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
+        procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", name, "--port", str(port), *flags],
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
+        _wait_healthy(name, port, procs, log_dir, timeout_s)
 
 
 def _wait_healthy(name: str, port: int, procs, log_dir: Path, timeout_s: float) -> None:

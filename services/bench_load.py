@@ -1,0 +1,375 @@
+"""`specd bench-load`: the gateway under concurrent load, as its users meet it.
+
+It answers: how much aggregate throughput and what latency does the service give N users at
+once, with speculation and without, and does speculation still pay under load? Requests are
+streamed through the OpenAI-compatible API (so TTFT and inter-token latency are what a client
+sees), against services it starts itself (four `specd serve` processes on loopback, as
+`specd up` starts them) or against any OpenAI-compatible server (`--url`; a peer such as
+`transformers serve --continuous-batching`, with `--modes peer`).
+
+- Closed loop (`--concurrency 1,2,4,8,16`): C clients, each sending its next prompt as soon as
+  its last answer ends, until every prompt has been answered once.
+- Open loop (`--rates R1,R2`): requests arrive as a Poisson process of R per second whatever
+  the server does (a server that falls behind builds a queue, or refuses).
+- Modes: `none` (the target alone), a stopping policy's name, or `peer` (no speculative
+  extension). Every mode runs the same prompts; at each load level the modes alternate,
+  their order rotating with each repeat, so that slow drift of the machine cancels.
+- Reported per mode and load level, with the names of vLLM's serving benchmark: output
+  tokens/s, requests/s, TTFT, TPOT ((e2e - TTFT) / (tokens - 1), per request), ITL (gaps
+  between streamed chunks), end-to-end latency at p50/p95/p99, goodput (requests/s meeting
+  --slo-ttft-ms and --slo-tpot-ms), refusals (429/503, with whether Retry-After came), errors,
+  draft fallbacks, the per-request speedup against `none` at the same level, and for greedy
+  runs whether every answer equals the `none` answer to the same prompt.
+
+Writes results.json, report.md and throughput.png / latency.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specd.errors import InvalidRequest, SpecdError
+
+PERCENTILES = (50, 95, 99)
+
+
+def add_command(sub) -> None:
+    b = sub.add_parser("bench-load", help="the gateway under concurrent load: throughput and latency by "
+                                          "concurrency or arrival rate, with speculation and without")
+    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line (first turns used)")
+    b.add_argument("--limit", type=int, default=16, help="prompts (each load level answers every one once)")
+    b.add_argument("--offset", type=int, default=0, help="questions skipped first")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=None, help="per-request seed (sampled runs)")
+    b.add_argument("--modes", default="none,cost-aware", help="comma list: none, policy names, peer")
+    b.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels ('' for none)")
+    b.add_argument("--rates", default="", help="open-loop Poisson arrival rates, requests/s (comma list)")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
+    b.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+    b.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    b.add_argument("--url", help="an OpenAI-compatible server to load (default: start specd's services here)")
+    b.add_argument("--model", default="specd", help="the model name requests carry")
+    b.add_argument("--drafter", help="the draft service's drafter (services started here)")
+    b.add_argument("--target-model", default="embedded")
+    b.add_argument("--target-flags", default="", help="extra `specd serve target` flags, e.g. '--kv-slots 0'")
+    b.add_argument("--no-overlap", action="store_true", help="PEARL off (services started here)")
+    b.add_argument("--out", type=Path, default=Path("bench-load-out"))
+    b.set_defaults(func=cmd_bench_load)
+
+
+@dataclass
+class Result:
+    """One request as its client saw it (times in seconds from the level's start)."""
+
+    prompt: int
+    mode: str
+    level: str  # "c4" (closed loop, 4 clients) or "r2.0" (open loop, 2 requests/s)
+    repeat: int
+    start: float
+    status: int = 0
+    error: str = ""
+    retry_after: bool = False
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    text: str = ""
+    chunk_gaps: list[float] = field(default_factory=list)
+    fallback: bool = False
+
+
+def request_body(mode: str, messages: list[dict], args) -> dict:
+    body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if mode == "none":
+        body["speculative"] = {"enabled": False}
+    elif mode != "peer":
+        body["speculative"] = {"policy": mode}
+    return body
+
+
+async def one_request(client, url: str, body: dict, result: Result, t0: float) -> Result:
+    """Stream one chat completion; fills result in place (never raises for a bad answer)."""
+    import httpx
+
+    sent = time.perf_counter()
+    result.start = sent - t0
+    last = None
+    pieces = []
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.retry_after = "retry-after" in r.headers
+                result.error = (await r.aread()).decode(errors="replace")[:300]
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:300]
+                    continue
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    if text:
+                        now = time.perf_counter()
+                        if result.ttft is None:
+                            result.ttft = now - sent
+                        else:
+                            result.chunk_gaps.append(now - last)
+                        last = now
+                        pieces.append(text)
+                if chunk.get("usage"):
+                    result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                stats = chunk.get("spec_stats") or {}
+                result.fallback = result.fallback or bool(stats.get("fallback"))
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"[:300]
+    result.e2e = time.perf_counter() - sent
+    result.text = "".join(pieces)
+    return result
+
+
+async def closed_loop(client, url: str, bodies: list[dict], mode: str, clients: int, repeat: int
+                      ) -> tuple[list[Result], float]:
+    queue = list(enumerate(bodies))
+    results: list[Result] = []
+    t0 = time.perf_counter()
+
+    async def worker():
+        while queue:
+            i, body = queue.pop(0)
+            results.append(await one_request(client, url, body, Result(i, mode, f"c{clients}", repeat, 0.0), t0))
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return results, time.perf_counter() - t0
+
+
+async def open_loop(client, url: str, bodies: list[dict], mode: str, rate: float, repeat: int, seed: int
+                    ) -> tuple[list[Result], float]:
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    tasks = []
+    for i, body in enumerate(bodies):
+        tasks.append(asyncio.create_task(one_request(client, url, body, Result(i, mode, f"r{rate:g}", repeat, 0.0),
+                                                     t0)))
+        await asyncio.sleep(rng.expovariate(rate))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - t0
+
+
+def percentiles(values: list[float], scale: float = 1e3) -> dict:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    xs = sorted(values)
+    return {f"p{p}": round(scale * xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))], 2) for p in PERCENTILES}
+
+
+def summarize(results: list[Result], wall: float, args) -> dict:
+    ok = [r for r in results if r.status == 200 and not r.error]
+    refused = [r for r in results if r.status in (429, 503)]
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
+    good = [r for r in ok if (args.slo_ttft_ms is None or (r.ttft or 0) * 1e3 <= args.slo_ttft_ms)
+            and (args.slo_tpot_ms is None or r.tokens <= 1
+                 or (r.e2e - (r.ttft or 0)) / (r.tokens - 1) * 1e3 <= args.slo_tpot_ms)]
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "refused": len(refused),
+        "refused_with_retry_after": sum(r.retry_after for r in refused),
+        "errors": len(results) - len(ok) - len(refused), "fallbacks": sum(r.fallback for r in ok),
+        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else 0.0,
+        "goodput_rps": round(len(good) / wall, 3) if wall > 0 else 0.0,
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles([g for r in ok for g in r.chunk_gaps]),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+    }
+
+
+def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
+    """Per level and mode: median per-request speedup over `none` (e2e of the same prompt) and,
+    greedy, how many answers equal the `none` answer."""
+    out = {}
+    for level, by_mode in cells.items():
+        base = {r.prompt: r for r in by_mode.get("none", []) if r.status == 200 and not r.error}
+        for mode, results in by_mode.items():
+            if mode == "none" or not base:
+                continue
+            pairs = [(base[r.prompt], r) for r in results if r.prompt in base and r.status == 200 and not r.error]
+            entry = {"speedup_median": round(statistics.median(b.e2e / r.e2e for b, r in pairs), 3) if pairs else None}
+            if greedy:
+                entry["identical_to_none"] = f"{sum(b.text == r.text for b, r in pairs)}/{len(pairs)}"
+            out.setdefault(level, {})[mode] = entry
+    return out
+
+
+async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
+    import httpx
+
+    levels = [("c", int(c)) for c in _csv(args.concurrency)] + [("r", float(r)) for r in _csv(args.rates)]
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    summary: dict = {}
+    cells: dict[str, dict[str, list[Result]]] = {}
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        await one_request(client, url, {**bodies[0], "max_tokens": 4}, Result(-1, "warm-up", "", 0, 0.0),
+                          time.perf_counter())
+        for kind, value in levels:
+            level = f"{kind}{value:g}"
+            for repeat in range(args.repeats):
+                order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
+                for mode in order:
+                    mbodies = [request_body(mode, b["messages"], args) for b in bodies]
+                    if kind == "c":
+                        results, wall = await closed_loop(client, url, mbodies, mode, value, repeat)
+                    else:
+                        results, wall = await open_loop(client, url, mbodies, mode, value, repeat, seed=repeat)
+                    cells.setdefault(level, {}).setdefault(mode, []).extend(results)
+                    s = summarize(results, wall, args)
+                    summary.setdefault(level, {}).setdefault(mode, []).append(s)
+                    print(f"{level} {mode} (repeat {repeat}): {s['output_tok_s']} tok/s, TTFT p95 "
+                          f"{s['ttft_ms']['p95']} ms, e2e p95 {s['e2e_ms']['p95']} ms, refused {s['refused']}, "
+                          f"errors {s['errors']}", flush=True)
+    greedy = args.temperature == 0
+    return {"summary": summary, "compare": compare(cells, greedy),
+            "requests": {lvl: {m: [asdict(r) for r in rs] for m, rs in by.items()} for lvl, by in cells.items()}}
+
+
+def report(doc: dict) -> str:
+    a = doc["settings"]
+    lines = [f"# bench-load: {a['limit']} prompts of {Path(a['dataset']).name}, {a['max_tokens']} tokens, "
+             f"T = {a['temperature']}", "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
+             "| level | mode | output tok/s | req/s | TTFT p50/p95 ms | TPOT p50/p95 ms | e2e p50/p95/p99 ms "
+             "| speedup vs none (median request) | identical to none | refused | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for level, by_mode in doc["summary"].items():
+        for mode, runs in by_mode.items():
+            s = runs[0] if len(runs) == 1 else _mean_runs(runs)
+            cmp = doc["compare"].get(level, {}).get(mode, {})
+            lines.append(f"| {level} | {mode} | {s['output_tok_s']} | {s['requests_per_s']} | "
+                         f"{s['ttft_ms']['p50']} / {s['ttft_ms']['p95']} | {s['tpot_ms']['p50']} / {s['tpot_ms']['p95']} | "
+                         f"{s['e2e_ms']['p50']} / {s['e2e_ms']['p95']} / {s['e2e_ms']['p99']} | "
+                         f"{cmp.get('speedup_median', '')} | {cmp.get('identical_to_none', '')} | {s['refused']} | "
+                         f"{s['errors']} |")
+    lines += ["", "Levels: cN = N clients in a closed loop; rX = Poisson arrivals at X requests/s. "
+              "Several repeats are averaged (throughput) and their percentiles averaged."]
+    return "\n".join(lines) + "\n"
+
+
+def _mean_runs(runs: list[dict]) -> dict:
+    out = dict(runs[0])
+    for key in ("output_tok_s", "requests_per_s", "refused", "errors"):
+        out[key] = round(statistics.mean(r[key] for r in runs), 2)
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        out[key] = {p: (round(statistics.mean(r[key][p] for r in runs), 2) if all(r[key][p] is not None for r in runs)
+                        else None) for p in runs[0][key]}
+    return out
+
+
+def plots(doc: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = {lvl: by for lvl, by in doc["summary"].items() if lvl.startswith("c")}
+    if not closed:
+        return []
+    xs = [int(lvl[1:]) for lvl in closed]
+    modes = sorted({m for by in closed.values() for m in by})
+    paths = []
+    for name, key, label in (("throughput.png", "output_tok_s", "output tokens/s"),
+                             ("latency.png", "e2e_ms", "end-to-end latency p95 (ms)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in modes:
+            ys = []
+            for lvl in closed:
+                runs = closed[lvl].get(mode)
+                s = _mean_runs(runs) if runs else None
+                ys.append(None if s is None else (s[key] if key == "output_tok_s" else s[key]["p95"]))
+            ax.plot(xs, ys, marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def cmd_bench_load(args) -> int:
+    import subprocess
+    import tempfile
+
+    from services.cli import _free_port, _plan, _stop, start_stack
+    from specd.bench.datasets import load_questions
+
+    modes = _csv(args.modes)
+    if not modes:
+        raise InvalidRequest("modes", "name at least one mode")
+    if "peer" in modes and not args.url:
+        raise InvalidRequest("modes", "peer needs --url (the peer server to load)")
+    if not _csv(args.concurrency) and not _csv(args.rates):
+        raise InvalidRequest("concurrency", "give closed-loop levels, --rates, or both")
+    questions = load_questions(args.dataset, limit=args.limit, offset=args.offset)
+    bodies = [{"messages": [{"role": "user", "content": q.turns[0]}]} for q in questions]
+    procs: dict[str, subprocess.Popen] = {}
+    url, server = args.url, args.url
+    try:
+        if url is None:
+            plan_args = argparse.Namespace(port=_free_port(), drafter=args.drafter, draft_model=None,
+                                           target_model=args.target_model, policy="cost-aware",
+                                           no_overlap=args.no_overlap, redis_url=None, dvi=False)
+            plan = _plan(plan_args)
+            if args.target_flags:
+                name, flags, port = plan[0]
+                plan[0] = (name, flags + args.target_flags.split(), port)
+            log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-load-"))
+            start_stack(plan, procs, log_dir, 600.0)
+            url = f"http://127.0.0.1:{plan[-1][2]}"
+            server = "specd services on loopback: " + "; ".join(f"{n} {' '.join(f)}" for n, f, _ in plan)
+        doc = asyncio.run(run(args, url, bodies, modes))
+    finally:
+        _stop(procs)
+    doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    doc["machine"], doc["server"] = _machine(), server
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (args.out / "report.md").write_text(report(doc))
+    written = [args.out / "results.json", args.out / "report.md", *plots(doc, args.out)]
+    print(report(doc))
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    failed = sum(s["errors"] for by in doc["summary"].values() for runs in by.values() for s in runs)
+    if failed:
+        raise SpecdError(f"{failed} requests failed; see {args.out / 'results.json'}")
+    return 0

@@ -1,0 +1,40 @@
+"""`specd bench-load` against the real four-process stack (its target on the KV pool): greedy
+answers of several concurrent streams, with speculation and without, are the target alone's,
+and the report carries every load level and mode."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from services import bench_load
+
+from tests.integration.conftest import MESSAGES
+
+pytestmark = pytest.mark.embedded
+
+OTHERS = ["Name three uses of a queue.", "What is a prime number?", "Write one sentence about rain."]
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(model="specd", max_tokens=16, temperature=0.0, seed=None, concurrency="1,4", rates="",
+                repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, reference):
+    bodies = [{"messages": MESSAGES}] + [{"messages": [{"role": "user", "content": q}]} for q in OTHERS]
+    doc = asyncio.run(bench_load.run(_args(), stack.url, bodies, ["none", "heuristic", "cost-aware"]))
+    for level in ("c1", "c4"):
+        for mode in ("none", "heuristic", "cost-aware"):
+            s = doc["summary"][level][mode][0]
+            assert s["completed"] == 4 and s["errors"] == 0 and s["refused"] == 0
+            answers = {r["prompt"]: r["text"] for r in doc["requests"][level][mode]}
+            assert answers[0] == reference(16)[1]  # the in-process target alone's text
+        for mode in ("heuristic", "cost-aware"):
+            assert doc["compare"][level][mode]["identical_to_none"] == "4/4"
+    report = bench_load.report({**doc, "settings": {"limit": 4, "dataset": "x.jsonl", "max_tokens": 16,
+                                                    "temperature": 0.0}, "machine": "m", "server": "s"})
+    assert report.count("| c4 |") == 3

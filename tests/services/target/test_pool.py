@@ -1,0 +1,102 @@
+"""The target service on a KV pool, over real gRPC: chunked prefill gives the same verdicts and
+hidden states as a whole prefill, a session beyond the pool's slots is refused at once with
+RESOURCE_EXHAUSTED (and none of the open ones is disturbed), and closing frees the slot."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from services.common.convert import features_from_proto
+from services.common.server import channel
+from services.common.settings import TargetSettings
+from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
+from services.target.main import start as start_target
+from services.target.servicer import TargetServicer
+
+from tests.services.conftest import Service
+
+PROMPT = [5, 9, 14, 20, 33, 40, 7, 11]
+
+
+@pytest.fixture(scope="module")
+def pooled_service(service_loop, chat_pair):
+    target = replace(chat_pair[0])  # the same weights; the fixture's own model keeps no pool
+    target.use_pool(2, 128)
+    servicer = TargetServicer(target, prefill_chunk=3)  # the prompt is prefilled in three forwards
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    yield svc
+    svc.stop()
+
+
+async def _open(stub, prompt=PROMPT, features=False):
+    call = stub.Session(timeout=20)
+    await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=prompt, features=features)))
+    return call
+
+
+async def _close(call):
+    await call.write(target_pb2.TargetRequest(close=target_pb2.CloseTarget()))
+    await call.read()  # the Closed reply
+    await call.done_writing()
+
+
+async def _verify(call, tokens, verify_id=1):
+    await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=verify_id, tokens=tokens,
+                                                                       probs=[1.0] * len(tokens))))
+    return (await call.read()).verified
+
+
+def test_chunked_prefill_gives_the_whole_prefills_verdict_and_features(chat_pair, pooled_service):
+    model = chat_pair[0].model
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), output_hidden_states=True)
+    greedy = int(out.logits[0, -1].argmax())
+
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            call = await _open(target_pb2_grpc.TargetServiceStub(ch), features=True)
+            verdict = await _verify(call, [greedy, (greedy + 1) % chat_pair[0].vocab_size])
+            await call.done_writing()
+            return verdict
+
+    verdict = asyncio.run(run())
+    assert verdict.num_accepted == 1
+    start, feats = features_from_proto(verdict.features)
+    assert start == 0 and feats.shape[0] == len(PROMPT) + 1
+    torch.testing.assert_close(feats[:len(PROMPT)], out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, pooled_service):
+    pool = pooled_service.servicer.target.pool
+
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            held = [await _open(stub), await _open(stub, PROMPT[:5])]
+            first = [await _verify(c, []) for c in held]  # both open and served
+            extra = await _open(stub)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            again = [await _verify(c, [], 2) for c in held]  # neither open session was disturbed
+            assert all(a.num_accepted == 0 for a in again)
+            await _close(held[0])
+            await asyncio.sleep(0.2)  # the slot is freed on the compute thread, behind any forward
+            replacement = await _open(stub)
+            assert (await _verify(replacement, [])).next_token == first[0].next_token
+            for c in (held[1], replacement):
+                await _close(c)
+            return first
+
+    asyncio.run(run())
+    for _ in range(50):  # closing is queued on the compute thread
+        if pool.in_use() == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert pool.in_use() == 0

@@ -1,0 +1,22 @@
+"""bench-load's arithmetic: percentiles, TPOT and goodput as vLLM's serving benchmark defines them."""
+
+from __future__ import annotations
+
+import argparse
+
+from services import bench_load
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"slo_ttft_ms": None, "slo_tpot_ms": None, **kw})
+
+
+def test_percentiles_and_goodput():
+    assert bench_load.percentiles([0.1, 0.2, 0.3, 0.4]) == {"p50": 300.0, "p95": 400.0, "p99": 400.0}
+    ok = bench_load.Result(0, "none", "c1", 0, 0.0, status=200, ttft=0.1, e2e=1.1, tokens=11)
+    slow = bench_load.Result(1, "none", "c1", 0, 0.0, status=200, ttft=0.9, e2e=1.9, tokens=11)
+    refused = bench_load.Result(2, "none", "c1", 0, 0.0, status=503, retry_after=True)
+    s = bench_load.summarize([ok, slow, refused], 2.0, _args(slo_ttft_ms=500.0, slo_tpot_ms=None))
+    assert (s["completed"], s["refused"], s["refused_with_retry_after"], s["errors"]) == (2, 1, 1, 0)
+    assert s["output_tok_s"] == 11.0 and s["goodput_rps"] == 0.5
+    assert s["tpot_ms"]["p50"] == 100.0
