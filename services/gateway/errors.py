@@ -62,9 +62,9 @@ def describe(exc: Exception, request: Request) -> tuple[int, dict[str, Any]]:
         return 400, _body(message, "invalid_request_error", param)
     if isinstance(exc, Unauthorized):
         return 401, _body(str(exc), "invalid_request_error", code="invalid_api_key")
-    if isinstance(exc, Overloaded):
-        return 429, _body(str(exc) or "the server is at capacity; retry later", "rate_limit_error",
-                          code="rate_limit_exceeded")
+    if isinstance(exc, Overloaded):  # a service is at capacity (KV slots): not this client's fault
+        return 503, _body(str(exc) or "the server is at capacity; retry later", "server_error",
+                          code="overloaded")
     if isinstance(exc, Unavailable):
         return 503, _body(str(exc) or "the model service is unavailable", "server_error",
                           code="service_unavailable")
@@ -78,9 +78,14 @@ def describe(exc: Exception, request: Request) -> tuple[int, dict[str, Any]]:
     return 500, _body("internal server error", "server_error")
 
 
+RETRY_AFTER_S = "1"
+
+
 async def handle(request: Request, exc: Exception) -> JSONResponse:
     status, body = describe(exc, request)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status in (429, 503):  # refused at once: say when to come back rather than hold the client
+        headers = {"Retry-After": RETRY_AFTER_S}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -271,7 +271,7 @@ class _Failing:
 
 
 @pytest.mark.parametrize("exc, status, type_", [
-    (Overloaded("too many requests in flight"), 429, "rate_limit_error"),
+    (Overloaded("all 16 KV slots are in use"), 503, "server_error"),
     (Unavailable("target service unreachable"), 503, "server_error"),
     (RuntimeError("a bug"), 500, "server_error"),
 ])
@@ -280,5 +280,6 @@ def test_backend_errors_map_to_statuses(serve, local_backend, exc, status, type_
     for stream in (False, True):
         r = httpx.post(url + CHAT, json={"messages": HI, "stream": stream})
         assert r.status_code == status and r.json()["error"]["type"] == type_
+        assert ("retry-after" in r.headers) == (status == 503)  # refused at once, told when to retry
     if status == 500:
         assert r.json()["error"]["message"] == "internal server error"  # no internals leak
