@@ -70,6 +70,21 @@ class StepInputs:
     tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU from calloc'd memory (numpy's zeros), whose pages the kernel
+    maps only when first written, so a pool costs memory for the positions sessions use, not
+    for every slot's whole length (torch.zeros writes every page at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    probe = torch.empty((), dtype=dtype)
+    if probe.element_size() not in (2, 4, 8):
+        return torch.zeros(shape, dtype=dtype)
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[probe.element_size()])
+    return torch.from_numpy(raw).view(dtype)  # the same zero bits, reinterpreted
+
+
 def unpack(flat: torch.Tensor, batch: int, width: int, span: int) -> StepInputs:
     """StepInputs as views of one flat long tensor (ids, write, rope, query positions: [B, T]
     each; then slots [B]): one host-to-device copy fills a whole forward's inputs."""
@@ -102,11 +117,9 @@ class KVPool:
         self.num_slots, self.max_len = slots, max_len
         self.device, self.dtype = lean.device, lean.dtype
         shape = (len(lean.layers), slots + 1, lean.kv_heads, max_len + 1, lean.head_dim)
-        # zeros, not empty: the pages of an untouched slot stay unallocated on the CPU (calloc),
-        # and the trash slot/column hold finite values.
+        # Zeros, not garbage: a masked key gets zero weight, and 0 * finite stays 0 in the sum.
         with torch.inference_mode(False):
-            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.k, self.v = _zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device)
         lean._rope(0, max_len + 1, None)  # the rotary table for every column, trash included
         self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
         self.fused = self.device.type == "cuda" if fused is None else fused
