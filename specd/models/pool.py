@@ -81,7 +81,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     probe = torch.empty((), dtype=dtype)
     if probe.element_size() not in (2, 4, 8):
         return torch.zeros(shape, dtype=dtype)
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[probe.element_size()])
+    # numpy asks the kernel for huge pages on large arrays, and one write would then map 2 MB.
+    madvise = getattr(getattr(np, "_core", None), "multiarray", None)
+    madvise = getattr(madvise, "_set_madvise_hugepage", None)
+    before = madvise(False) if madvise is not None else None
+    try:
+        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[probe.element_size()])
+    finally:
+        if madvise is not None:
+            madvise(before)
     return torch.from_numpy(raw).view(dtype)  # the same zero bits, reinterpreted
 
 

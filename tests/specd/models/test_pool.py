@@ -166,3 +166,19 @@ def test_buckets_take_the_smallest_that_holds_a_forward():
     assert pick_bucket(tables, (12, 17, 256)) == (12, 17, 256)
     assert pick_bucket(tables, (13, 1, 10)) is None  # wider than the largest: run eagerly
     assert pick_bucket(tables, (1, 18, 10)) is None
+
+
+def test_a_cpu_pool_costs_the_memory_its_sessions_write(lean):
+    """Slots are allocated lazily by the kernel: opening a large pool costs (almost) nothing,
+    and a session costs about the positions it wrote, not its slot's whole length."""
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    pool = lean.use_pool(64, 4096)
+    whole = 2 * pool.k.numel() * pool.k.element_size()
+    s = lean.session()
+    s.extend(_tokens(40, 9), 1)
+    assert resident() - before < whole / 20  # one slot of 64, 40 of its 4,096 positions
+    s.close()
