@@ -68,6 +68,7 @@ class StepInputs:
     query_pos: torch.Tensor  # [B, T] long: a query sees keys 0..query_pos (padded queries: key 0)
     span: int  # S: key columns read
     tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
+    slot_run: int | None = None  # eager forwards only: rows are slots slot_run, slot_run + 1, ... (no gather)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -241,6 +242,9 @@ class KVPool:
         """The padded inputs of rows on the pool's device, reading `span` key columns (span >=
         self.span(rows)); with a draft tree's mask where a row brings one."""
         x = unpack(self.pack(rows, batch, width).to(self.device), batch, width, span)
+        first = rows[0].slot if rows else None
+        if len(rows) == batch and all(r.slot == first + b for b, r in enumerate(rows)):
+            x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
         trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
         if not trees:
             return x
@@ -260,7 +264,7 @@ class KVPool:
         batch, width = x.input_ids.shape
         span = x.span
         mask = x.tree_mask
-        if mask is None:
+        if mask is None and (batch, width) != (1, 1):  # one query sees every key up to itself: no mask
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
         cos, sin = self.cos[x.rope_pos][:, None], self.sin[x.rope_pos][:, None]  # [B, 1, T, D]
         rows = x.slots[:, None]
@@ -274,8 +278,12 @@ class KVPool:
             pool_k, pool_v = self.k[i], self.v[i]
             pool_k[rows, :, x.write_pos] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (slot, column)
             pool_v[rows, :, x.write_pos] = v
-            keys = pool_k[:, :, :span].index_select(0, x.slots)
-            values = pool_v[:, :, :span].index_select(0, x.slots)
+            if x.slot_run is not None:
+                run = slice(x.slot_run, x.slot_run + batch)
+                keys, values = pool_k[run, :, :span], pool_v[run, :, :span]
+            else:
+                keys = pool_k[:, :, :span].index_select(0, x.slots)
+                values = pool_v[:, :, :span].index_select(0, x.slots)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
                                                  enable_gqa=lean.groups > 1)
             h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
