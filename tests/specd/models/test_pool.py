@@ -13,6 +13,7 @@ from specd.errors import InvalidRequest, Overloaded
 from specd.models.graphs import BATCH_BUCKETS, buckets_up_to, pick_bucket
 from specd.models.pool import PoolRow, pooled_extend
 from specd.tree import DraftTree
+from specd.types import SamplingParams, SpecParams
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -182,3 +183,24 @@ def test_a_cpu_pool_costs_the_memory_its_sessions_write(lean):
     s.extend(_tokens(40, 9), 1)
     assert resident() - before < whole / 20  # one slot of 64, 40 of its 4,096 positions
     s.close()
+
+
+@pytest.mark.parametrize("drafter, spec", [
+    ("ngram", SpecParams("constant", max_draft_tokens=4, branches=3)),  # draft trees: masked pool forwards
+    ("early-exit", SpecParams("constant", max_draft_tokens=3)),  # the drafter opens a pool of its own layers
+])
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=40),
+                                      SamplingParams(temperature=1.0, seed=3, max_new_tokens=40)])
+def test_the_engine_over_a_pool_decodes_as_over_growing_caches(lean, drafter, spec, sampling):
+    from specd.drafters import build_drafter
+    from specd.engine import SpeculativeEngine
+
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 11, 5, 6, 7]
+    pooled = replace(lean)
+    pooled.use_pool(2, 256)
+    runs = []
+    for target in (lean, pooled):
+        g = SpeculativeEngine(target, build_drafter(drafter, target, draft_layers=2)).generate(prompt, sampling, spec)
+        runs.append((g.token_ids, g.stats.drafted, g.stats.accepted, g.stats.tree_rounds))
+    assert runs[0] == runs[1]
+    assert pooled.pool.in_use() == 0
