@@ -137,6 +137,9 @@ class GatewaySettings(ServiceSettings):
                                             "lookup drafter unless a request asks)")
     default_policy: str = Field("cost-aware", description="stopping policy when a request names none")
     max_tokens_limit: int = Field(4096, ge=1, le=1 << 20, description="largest max_tokens a request may ask")
+    max_concurrent_requests: int = Field(64, ge=0, le=1 << 20,
+                                         description="generations in flight beyond which a request is refused "
+                                                     "at once with 503 and Retry-After (0: no limit)")
     api_keys: str = Field("", description="comma-separated API keys ('' = open)")
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     redis_url: str | None = redis_field()

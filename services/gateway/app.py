@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import anyio
@@ -42,6 +42,31 @@ from services.gateway.schemas import (
     ModelList,
 )
 from specd import __version__
+from specd.errors import Overloaded
+
+
+class Admission:
+    """At most `limit` generations in flight on this gateway (0: no limit); one more is refused
+    at once with Overloaded (503 and Retry-After), never queued. The routes run on one event
+    loop, so a plain counter is enough."""
+
+    def __init__(self, limit: int = 0):
+        self.limit, self.in_flight = limit, 0
+
+    def enter(self) -> Callable[[], None]:
+        """Count a generation in; returns its release, which is safe to call more than once."""
+        if self.limit and self.in_flight >= self.limit:
+            raise Overloaded(f"the gateway is serving its limit of {self.limit} concurrent requests")
+        self.in_flight += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+
+        return release
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,7 @@ class Gateway:
     api_keys: frozenset[str]
     metrics: GatewayMetrics
     started: int  # unix time, the models' `created`
+    admission: Admission = field(default_factory=Admission)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -109,25 +135,32 @@ async def prometheus_metrics(gw: GatewayDep) -> Response:
 # -- one generation ---------------------------------------------------------------------------
 
 async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: bool):
-    gen = convert.generate_request(body, default_policy=gw.default_policy,
-                                   max_tokens_limit=gw.max_tokens_limit)
-    events = gw.backend.generate(gen)
+    release = gw.admission.enter()  # over the limit: 503 at once, before any work
+    streaming = False
     try:
-        first = await anext(events)  # a bad request raises here, before any byte is sent
-    except BaseException:
-        await _aclose(events)
-        raise
-    env = convert.Envelope.new(chat, gw.backend.model_card().id)
-    if body.stream:
-        to_chunks = convert.chat_chunks if chat else convert.completion_chunks
-        head = convert.chat_head(env) if chat else []
-        return EventStream(_sse(request, events, first, head,
-                                lambda event: to_chunks(env, event, body.include_usage)))
-    try:
-        text, finish = await _collect(request, first, events)
+        gen = convert.generate_request(body, default_policy=gw.default_policy,
+                                       max_tokens_limit=gw.max_tokens_limit)
+        events = gw.backend.generate(gen)
+        try:
+            first = await anext(events)  # a bad request raises here, before any byte is sent
+        except BaseException:
+            await _aclose(events)
+            raise
+        env = convert.Envelope.new(chat, gw.backend.model_card().id)
+        if body.stream:
+            to_chunks = convert.chat_chunks if chat else convert.completion_chunks
+            head = convert.chat_head(env) if chat else []
+            streaming = True  # the stream releases its admission when it ends, however it ends
+            return EventStream(_sse(request, events, first, head,
+                                    lambda event: to_chunks(env, event, body.include_usage)), on_close=release)
+        try:
+            text, finish = await _collect(request, first, events)
+        finally:
+            await _aclose(events)
+        return convert.chat_completion(env, text, finish) if chat else convert.completion(env, text, finish)
     finally:
-        await _aclose(events)
-    return convert.chat_completion(env, text, finish) if chat else convert.completion(env, text, finish)
+        if not streaming:
+            release()
 
 
 async def _collect(request: Request, first: Event, events: AsyncIterator[Event]) -> tuple[str, FinishEvent]:
@@ -190,22 +223,28 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] = lambda: None):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+            finally:
+                self.on_close()
 
 
 # -- the app ----------------------------------------------------------------------------------
 
 def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "cost-aware",
-               api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None) -> FastAPI:
-    """The gateway over `backend`. With api_keys, /v1 routes need `Authorization: Bearer <key>`;
+               api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None,
+               max_concurrent_requests: int = 0) -> FastAPI:
+    """The gateway over `backend`. max_concurrent_requests: generations in flight beyond which
+    a request is refused at once (503, Retry-After; 0: no limit). With api_keys, /v1 routes need `Authorization: Bearer <key>`;
     /health and /metrics stay open for probes and Prometheus. /metrics serves `registry` (an
     in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,
@@ -214,7 +253,7 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
                               "`spec_stats` beside `usage` (in the final chunk when streaming).")
     metrics = GatewayMetrics(registry)
     app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, frozenset(api_keys), metrics,
-                                int(time.time()))
+                                int(time.time()), Admission(max_concurrent_requests))
     app.include_router(v1)
     app.include_router(ops)
     errors.install(app)

@@ -34,7 +34,7 @@ async def serve(s: GatewaySettings) -> None:
     backend = await build_backend(s, registry)
     keys = frozenset(k.strip() for k in s.api_keys.split(",") if k.strip())
     app = create_app(backend, max_tokens_limit=s.max_tokens_limit, default_policy=s.default_policy, api_keys=keys,
-                     registry=registry)
+                     registry=registry, max_concurrent_requests=s.max_concurrent_requests)
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, lifespan="off")
     server = uvicorn.Server(config)
     print(f"specd gateway listening on http://{s.host}:{s.port}", flush=True)

@@ -283,3 +283,65 @@ def test_backend_errors_map_to_statuses(serve, local_backend, exc, status, type_
         assert ("retry-after" in r.headers) == (status == 503)  # refused at once, told when to retry
     if status == 500:
         assert r.json()["error"]["message"] == "internal server error"  # no internals leak
+
+
+class _Held:
+    """A backend whose answers wait until `go` is set: their generations stay in flight."""
+
+    def __init__(self, card):
+        import threading
+
+        self.card, self.go, self.closed = card, threading.Event(), 0
+
+    def model_card(self):
+        return self.card
+
+    async def ready(self) -> bool:
+        return True
+
+    async def generate(self, request):
+        import asyncio
+
+        from services.coordinator.api import FinishEvent, TokenEvent
+
+        try:
+            yield TokenEvent([1], "Hi")
+            while not self.go.is_set():
+                await asyncio.sleep(0.01)
+            yield FinishEvent("stop", 1, 1)
+        finally:
+            self.closed += 1
+
+
+def test_over_the_concurrency_limit_a_request_is_refused_at_once(serve, local_backend):
+    """Two generations in flight at a limit of two: the third gets 503 with Retry-After at
+    once, the two finish undisturbed, and their slots come back (streamed or not)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = _Held(local_backend.model_card())
+    app = create_app(backend, max_concurrent_requests=2)
+    url = serve(app)
+
+    def stream():
+        with httpx.stream("POST", url + CHAT, json={"messages": HI, "stream": True}, timeout=30) as r:
+            return r.status_code, "".join(r.iter_text())
+
+    def plain():
+        r = httpx.post(url + CHAT, json={"messages": HI}, timeout=30)
+        return r.status_code, r.text
+
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(stream), pool.submit(plain)]
+        deadline = time.monotonic() + 10
+        while app.state.gateway.admission.in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        refused = httpx.post(url + CHAT, json={"messages": HI}, timeout=30)
+        assert time.monotonic() - t0 < 5  # refused at once, not queued behind the two
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "overloaded"
+        backend.go.set()
+        (s_status, s_body), (p_status, _) = held[0].result(10), held[1].result(10)
+    assert s_status == 200 and "[DONE]" in s_body and p_status == 200
+    assert app.state.gateway.admission.in_flight == 0
+    assert httpx.post(url + CHAT, json={"messages": HI}, timeout=30).status_code == 200
