@@ -10,6 +10,9 @@
                                           session, one token), measured at start-up and kept current
                                           while serving; coordinators price target-only decoding
                                           with it (specd_target_only_seconds_total)
+  specd_target_kv_slots                   gauge: sessions the KV pool holds (0: no pool)
+  specd_target_kv_slots_in_use            gauge: of those, taken by open sessions
+  specd_target_refused_sessions_total     counter: sessions refused because every slot was taken
   specd_active_sessions{service="target"}, specd_kv_cache_bytes{service="target"}
 
 PromQL: p95 verify latency by window size
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import (
     MAX_LABELLED_WINDOW,
@@ -35,7 +38,9 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
 
 class TargetMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, sessions: Callable[[], int] = lambda: 0,
-                 kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0):
+                 kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0,
+                 kv_slots: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+        """kv_slots: (slots in use, slots) of the KV pool."""
         self.registry, self.model = registry, model
         active_sessions(registry, "target", sessions)
         kv_cache_bytes(registry, "target", kv_bytes)
@@ -48,9 +53,20 @@ class TargetMetrics:
         cost = Gauge("specd_target_decode_seconds_per_token", "measured seconds of one plain decoding step",
                      ["model"], registry=registry)
         cost.labels(model).set_function(decode_cost)
+        slots = Gauge("specd_target_kv_slots", "sessions the KV pool holds (0: no pool)", ["model"], registry=registry)
+        slots.labels(model).set_function(lambda: kv_slots()[1])
+        in_use = Gauge("specd_target_kv_slots_in_use", "KV pool slots taken by open sessions", ["model"],
+                       registry=registry)
+        in_use.labels(model).set_function(lambda: kv_slots()[0])
+        self.refused = Counter("specd_target_refused_sessions", "sessions refused: every KV slot taken",
+                               ["model"], registry=registry)
+        self.refused.labels(model)  # a zero series from the start
 
     def observe_verify(self, num_drafts: int, forward_seconds: float) -> None:
         self.verify_s.labels(self.model, count_label(num_drafts, MAX_LABELLED_WINDOW)).observe(forward_seconds)
+
+    def observe_refused(self) -> None:
+        self.refused.labels(self.model).inc()
 
     def observe_batch(self, batch_size: int) -> None:
         self.batch_size.labels(self.model).observe(batch_size)

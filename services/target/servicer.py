@@ -28,7 +28,7 @@ from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
 from specd.dvi import top_logprobs
-from specd.errors import InvalidRequest, ModelError
+from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
 MAX_TOP_LOGPROBS = 64
@@ -45,7 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
-                                     lambda: self.batcher.decode_cost.seconds)
+                                     lambda: self.batcher.decode_cost.seconds, self._kv_slots)
         self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
@@ -56,6 +56,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def _kv_slots(self) -> tuple[int, int]:
+        pool = self.target.pool
+        return (pool.in_use(), pool.num_slots) if pool is not None else (0, 0)
 
     def _kv_bytes(self) -> int:
         return sum(s.kv.nbytes() for s in list(self.sessions))
@@ -82,8 +86,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         first = await anext(stream, None)
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
-        session = TargetSession(self.target, list(first.open.prompt_ids), sampling_from_proto(first.open.sampling),
-                                first.open.features)
+        try:
+            session = TargetSession(self.target, list(first.open.prompt_ids),
+                                    sampling_from_proto(first.open.sampling), first.open.features)
+        except Overloaded:
+            self.metrics.observe_refused()
+            raise
         self.sessions.add(session)
         try:
             t0 = time.perf_counter()

@@ -74,6 +74,8 @@ def test_chunked_prefill_gives_the_whole_prefills_verdict_and_features(chat_pair
 
 def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, pooled_service):
     pool = pooled_service.servicer.target.pool
+    registry, labels = pooled_service.servicer.registry, {"model": chat_pair[0].name}
+    refused_before = registry.get_sample_value("specd_target_refused_sessions_total", labels) or 0.0
 
     async def run():
         async with channel(pooled_service.address) as ch:
@@ -84,6 +86,9 @@ def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, p
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await extra.read()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert registry.get_sample_value("specd_target_kv_slots_in_use", labels) == 2
+            assert registry.get_sample_value("specd_target_kv_slots", labels) == 2
+            assert registry.get_sample_value("specd_target_refused_sessions_total", labels) == refused_before + 1
             again = [await _verify(c, [], 2) for c in held]  # neither open session was disturbed
             assert all(a.num_accepted == 0 for a in again)
             await _close(held[0])
