@@ -129,6 +129,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 GRAPH_MODES = ("auto", "on", "off")
 GRAPH_SLOTS = 8  # sessions of the pool load_model opens for CUDA graphs (a service sizes its own)
+GRAPH_MEMORY_SHARE = 0.25  # of the free device memory, at most, for that pool
+MIN_POOL_LEN = 512
+
+
+def pool_length(config, dtype: torch.dtype, slots: int, context: int, free_bytes: int) -> int:
+    """Positions per slot for a pool of `slots` sessions in GRAPH_MEMORY_SHARE of free_bytes
+    (at most the context); 0 when not even MIN_POOL_LEN fit (then sessions grow their own caches)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    fits = int(GRAPH_MEMORY_SHARE * free_bytes) // (slots * per_token) - 1  # the trash column
+    length = min(context, fits)
+    return length if length >= MIN_POOL_LEN else 0
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
@@ -175,7 +189,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
                          forward)
     if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and device != SHARD
                                and supports(model)):
-        loaded.use_pool(GRAPH_SLOTS, graphs=True)
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 1 << 40
+        length = pool_length(model.config, torch_dtype, GRAPH_SLOTS, loaded.max_context, free)
+        if length:
+            loaded.use_pool(GRAPH_SLOTS, length, graphs=True)  # on a CPU: a clear error, graphs need CUDA
+        elif cuda_graphs == "on":
+            raise InvalidRequest("cuda_graphs", "too little free device memory for a KV pool")
     return loaded
 
 

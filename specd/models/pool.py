@@ -112,8 +112,9 @@ class KVPool:
         hidden states gets); default the model's LM head and the states themselves (an
         early-exit drafter brings its adapter and reduced head).
 
-        fused (default: on a GPU): fewer, larger kernels for the same math (a fused RMSNorm, q
-        and k rotated together, keys gathered per query head for one fused attention kernel).
+        fused (default: on a GPU): fewer kernels for the same math (a fused RMSNorm, q and k
+        rotated together, keys gathered per query head in one kernel, attention of a few query
+        rows as batched matrix products).
         A GPU step of a small model is bound by the number of kernels it launches; the sums
         round differently from transformers' order, so the CPU keeps the exact path, whose
         logits are the lean forward's bit for bit."""

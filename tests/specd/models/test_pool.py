@@ -204,3 +204,14 @@ def test_the_engine_over_a_pool_decodes_as_over_growing_caches(lean, drafter, sp
         runs.append((g.token_ids, g.stats.drafted, g.stats.accepted, g.stats.tree_rounds))
     assert runs[0] == runs[1]
     assert pooled.pool.in_use() == 0
+
+
+def test_the_automatic_pool_fits_a_share_of_free_memory(tiny_target):
+    from specd.models.loading import MIN_POOL_LEN, pool_length
+
+    config = tiny_target.model.config  # 4 layers, 2 KV heads of 16: 1 KiB a position in float32
+    per_token = 2 * 4 * 2 * 16 * 4
+    assert pool_length(config, torch.float32, 8, 512, 1 << 40) == 512  # the context, when it fits
+    assert pool_length(config, torch.float32, 8, 1 << 20, 4 * 8 * 1000 * per_token) == 999
+    assert pool_length(config, torch.bfloat16, 8, 1 << 20, 4 * 8 * 1000 * per_token) == 1999
+    assert pool_length(config, torch.float32, 8, 1 << 20, 4 * 8 * (MIN_POOL_LEN - 10) * per_token) == 0
