@@ -181,6 +181,8 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
     pools = {"eager": kinds["pool-eager"]}
     if "pool-graphs" in kinds:
         pools["graphs"] = kinds["pool-graphs"]
+        runner = pools["graphs"].pool.graphs  # forwards replayed against those run eagerly (outside the buckets)
+        results["graph_forwards"] = {"replays": runner.replays, "eager": runner.eager, "graphs": len(runner.graphs)}
     return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools, "best": best_name}
 
 

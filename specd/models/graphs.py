@@ -66,7 +66,7 @@ class GraphRunner:
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
-        self.replays = self.eager = 0  # forwards run each way (for metrics and the device check)
+        self.replays = self.eager = 0  # forwards run each way (the device check reports them)
         pool.graphs = self
 
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
