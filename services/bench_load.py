@@ -224,8 +224,8 @@ async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
     summary: dict = {}
     cells: dict[str, dict[str, list[Result]]] = {}
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        await one_request(client, url, {**bodies[0], "max_tokens": 4}, Result(-1, "warm-up", "", 0, 0.0),
-                          time.perf_counter())
+        warm = {**request_body(modes[0], bodies[0]["messages"], args), "max_tokens": 4}
+        await one_request(client, url, warm, Result(-1, "warm-up", "", 0, 0.0), time.perf_counter())
         for kind, value in levels:
             level = f"{kind}{value:g}"
             for repeat in range(args.repeats):
