@@ -69,6 +69,7 @@ class StepInputs:
     span: int  # S: key columns read
     tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
     slot_run: int | None = None  # eager forwards only: rows are slots slot_run, slot_run + 1, ... (no gather)
+    write_run: tuple[int, int, int] | None = None  # eager, one unpadded row: (slot, start, n), written by slices
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -246,6 +247,8 @@ class KVPool:
         first = rows[0].slot if rows else None
         if len(rows) == batch and all(r.slot == first + b for b, r in enumerate(rows)):
             x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
+        if len(rows) == batch == 1 and len(rows[0].ids) == width:  # a lone row: plain slice writes
+            x = replace(x, write_run=(first, rows[0].start, width))
         trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
         if not trees:
             return x
@@ -277,8 +280,13 @@ class KVPool:
             k = lean._rotate(k.view(batch, width, lean.kv_heads, lean.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, width, lean.kv_heads, lean.head_dim)
             pool_k, pool_v = self.k[i], self.v[i]
-            pool_k[rows, :, x.write_pos] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (slot, column)
-            pool_v[rows, :, x.write_pos] = v
+            if x.write_run is not None:  # a copy into a slice costs less than an index_put (a CPU decode step)
+                slot, start, n = x.write_run
+                pool_k[slot, :, start:start + n] = k[0]
+                pool_v[slot, :, start:start + n] = v[0].transpose(0, 1)
+            else:
+                pool_k[rows, :, x.write_pos] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (slot, column)
+                pool_v[rows, :, x.write_pos] = v
             if x.slot_run is not None:
                 run = slice(x.slot_run, x.slot_run + batch)
                 keys, values = pool_k[run, :, :span], pool_v[run, :, :span]
