@@ -73,14 +73,13 @@ class GraphRunner:
         """The smallest (B, T, S) holding a forward, or None when none does."""
         return pick_bucket((self.batches, self.widths, self.spans), (batch, width, span))
 
-    def run(self, rows: Sequence[PoolRow]) -> tuple[torch.Tensor, int]:
-        """hidden [B', T', H] of rows (padded; row b's columns first) and the width T'."""
-        width = max(len(r.ids) for r in rows)
-        key = self.bucket(len(rows), width, self.pool.span(rows))
+    def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
+        """hidden [B', T', H] of rows (padded; row b's columns first) and the width T'; None when
+        no bucket holds the forward (the pool then runs it eagerly)."""
+        key = self.bucket(len(rows), width, span)
         if key is None:
             self.eager += 1
-            x = self.pool.inputs(rows, len(rows), width, self.pool.span(rows))
-            return self.pool.hidden(x), width
+            return None
         graph = self.graphs.get(key) or self._capture(key)
         fresh = self.pool.pack(rows, key[0], key[1])
         graph.flat.copy_(fresh)  # the whole forward's inputs in one host-to-device copy

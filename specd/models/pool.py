@@ -191,12 +191,14 @@ class KVPool:
             if r.start + len(r.ids) > self.max_len:
                 raise InvalidRequest("tokens", f"the session would pass the KV slot's {self.max_len} positions")
         assert len({r.slot for r in rows}) == len(rows), "a slot appears twice in one batch"
-        runner = self.graphs
-        if runner is not None and all(r.mask is None for r in rows):
-            hidden, width = runner.run(rows)
+        width, span = max(len(r.ids) for r in rows), self.span(rows)
+        replayed = None
+        if self.graphs is not None and all(r.mask is None for r in rows):
+            replayed = self.graphs.run(rows, width, span)
+        if replayed is not None:
+            hidden, width = replayed
         else:
-            inputs = self.inputs(rows, len(rows), max(len(r.ids) for r in rows), self.span(rows))
-            hidden, width = self.hidden(inputs), inputs.input_ids.shape[1]
+            hidden = self.hidden(self.inputs(rows, len(rows), width, span))
         for r in rows:
             self.lengths[r.slot] = r.start + len(r.ids)
         # Only the wanted rows go through the LM head (on a CPU the head is a large part of a step).
