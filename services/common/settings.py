@@ -92,7 +92,11 @@ class TargetSettings(ModelSettings):
     port: int = Field(50062, ge=0, le=65535)
     metrics_port: int = Field(9102, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
     model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a transformers directory")
-    max_batch_size: int = Field(8, ge=1, le=256, description="most sessions verified in one forward pass")
+    max_batch_size: int = Field(16, ge=1, le=256, description="most sessions verified in one forward pass")
+    batch_gather: float = Field(0.5, ge=0.0, le=4.0,
+                                description="before a forward, wait for the sessions the last forward answered "
+                                            "(their next windows are one round trip away), at most this "
+                                            "fraction of the last forward's duration (0: never wait)")
     kv_slots: int = Field(16, ge=0, le=4096,
                           description="sessions the preallocated KV pool holds; a session beyond them is "
                                       "refused at once (RESOURCE_EXHAUSTED). 0: no pool, each session "

@@ -1,9 +1,13 @@
 """Verification of concurrent sessions in one forward pass.
 
 Sessions submit jobs (new ids after their cache, how many logits they need); one worker
-takes every job queued while the previous forward ran and runs them as one batch, so batching
-costs no added latency: a lone request is run at once, and requests arriving during a forward
-share the next one. Sessions in the target's KV pool (specd.models.pool) run as one pooled
+takes every job queued while the previous forward ran and runs them as one batch. A session
+answered by a forward comes back one round trip later (its coordinator commits the verdict and
+sends the next window), so before the next forward the worker waits a moment for the sessions of
+the last one, at most `gather` times that forward's duration: without the wait, sessions that
+arrive a millisecond late start a second forward and the batch splits in two for good (each
+half then runs while the other half travels). A lone session is never kept waiting, since the
+worker only waits for sessions it has answered and that have not come back yet. Sessions in the target's KV pool (specd.models.pool) run as one pooled
 forward that reads and writes their slots in place; other sessions are copied into a padded
 batch cache (specd.models.batch.batched_extend_hidden).
 """
@@ -52,11 +56,15 @@ class DecodeCost:
 
 class VerifyBatcher:
     def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
-                 on_batch: Callable[[int], None] | None = None):
+                 on_batch: Callable[[int], None] | None = None, gather: float = 0.5):
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
         self.on_batch = on_batch  # called with each forward's batch size
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.gather = gather  # wait for returning sessions up to this fraction of the last forward
+        self.queue: list[Job] = []
+        self.arrived = asyncio.Event()
+        self.returning: set = set()  # sessions answered by the last forward and not back yet
         self.last_batch_size = 0
+        self.last_forward_s = 0.0
         self.decode_cost = DecodeCost()
         self._worker: asyncio.Task | None = None
 
@@ -68,21 +76,45 @@ class VerifyBatcher:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
         job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden)
-        self.queue.put_nowait(job)
+        self.returning.discard(session)
+        self.queue.append(job)
+        self.arrived.set()
         return await job.future
+
+    def forget(self, session: KVSession | PoolSession) -> None:
+        """The session ended: the worker no longer waits for it."""
+        self.returning.discard(session)
+        self.arrived.set()
+
+    async def _gather(self) -> list[Job]:
+        """The next forward's jobs: every queued one, after waiting (at most `gather` times the
+        last forward) for the sessions the last forward answered."""
+        while not self.queue:
+            self.arrived.clear()
+            await self.arrived.wait()
+        deadline = time.perf_counter() + self.gather * self.last_forward_s
+        while self.returning and len(self.queue) < self.max_batch_size:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                break
+        jobs, self.queue = self.queue[:self.max_batch_size], self.queue[self.max_batch_size:]
+        return [j for j in jobs if not j.future.cancelled()]  # the client went away
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            jobs = [await self.queue.get()]
-            while len(jobs) < self.max_batch_size and not self.queue.empty():
-                jobs.append(self.queue.get_nowait())
-            jobs = [j for j in jobs if not j.future.cancelled()]  # the client went away
+            jobs = await self._gather()
             if not jobs:
                 continue
             self.last_batch_size = len(jobs)
             if self.on_batch is not None:
                 self.on_batch(len(jobs))
+            t0 = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self.executor, self._forward, jobs)
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error
@@ -90,6 +122,9 @@ class VerifyBatcher:
                     if not j.future.done():
                         j.future.set_exception(e)
                 continue
+            finally:
+                self.last_forward_s = time.perf_counter() - t0
+            self.returning = {j.session for j in jobs if not j.future.done()}
             for j, r in zip(jobs, results):
                 if not j.future.done():
                     j.future.set_result(r)

@@ -23,7 +23,7 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
         torch.set_num_threads(s.threads)
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off")
     use_pool(target, s)
-    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk)
+    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather)
 
 
 def use_pool(target, s: TargetSettings) -> None:

@@ -37,7 +37,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, gather: float = 0.5):
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")  # one model, one compute thread
@@ -46,7 +46,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
                                      lambda: self.batcher.decode_cost.seconds, self._kv_slots)
-        self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch)
+        self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
         # value of the decode cost, which serving then keeps current.
@@ -113,6 +113,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             # awaited, because a cancelled call would interrupt the await and skip the rest.
             self.executor.submit(session.close)
             self.sessions.discard(session)
+            self.batcher.forget(session.kv)
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         drafts = list(msg.tokens)

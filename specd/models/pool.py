@@ -70,6 +70,7 @@ class StepInputs:
     tree_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, replacing the causal rule (trees)
     slot_run: int | None = None  # eager forwards only: rows are slots slot_run, slot_run + 1, ... (no gather)
     write_run: tuple[int, int, int] | None = None  # eager, one unpadded row: (slot, start, n), written by slices
+    packed: torch.Tensor | None = None  # exact eager forwards of unequal rows: flat indices of the real queries
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -251,6 +252,9 @@ class KVPool:
             x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
         if len(rows) == batch == 1 and len(rows[0].ids) == width:  # a lone row: plain slice writes
             x = replace(x, write_run=(first, rows[0].start, width))
+        if not self.fused and len(rows) == batch and any(len(r.ids) != width for r in rows):
+            real = [b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]
+            x = replace(x, packed=torch.tensor(real, device=self.device))
         trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
         if not trees:
             return x
@@ -263,21 +267,32 @@ class KVPool:
 
     def hidden(self, x: StepInputs) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
-        shape is fixed by x, and nothing here reads a tensor back to the host (capturable)."""
+        shape is fixed by x, and nothing here reads a tensor back to the host (capturable).
+
+        Rows of unequal length (x.packed) run packed: the projections and the MLP, nearly all of
+        a step's arithmetic, see only the real tokens, one after another; only the attention
+        takes the padded [B, T] layout. So a verification window joining decode steps costs its
+        own tokens, not the window's width for every row."""
         if self.fused:
             return self._hidden_fused(x)
         lean = self.lean
         batch, width = x.input_ids.shape
         span = x.span
+        real = x.packed
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # packed [1, N, C] -> [B, T, C], zeros between
+            if real is None:
+                return t
+            return t.new_zeros(batch * width, t.shape[-1]).index_copy_(0, real, t[0]).view(batch, width, -1)
         mask = x.tree_mask
         if mask is None and (batch, width) != (1, 1):  # one query sees every key up to itself: no mask
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
         cos, sin = self.cos[x.rope_pos][:, None], self.sin[x.rope_pos][:, None]  # [B, 1, T, D]
         rows = x.slots[:, None]
-        h = lean.embed(x.input_ids)
+        h = lean.embed(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
             a = lean._rms(norm_in, h)
-            q, k, v = qkv_proj(a).split((lean.q_size, lean.kv_size, lean.kv_size), dim=-1)
+            q, k, v = padded(qkv_proj(a)).split((lean.q_size, lean.kv_size, lean.kv_size), dim=-1)
             q = lean._rotate(q.view(batch, width, lean.heads, lean.head_dim).transpose(1, 2), cos, sin)
             k = lean._rotate(k.view(batch, width, lean.kv_heads, lean.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, width, lean.kv_heads, lean.head_dim)
@@ -297,11 +312,12 @@ class KVPool:
                 values = pool_v[:, :, :span].index_select(0, x.slots)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
                                                  enable_gqa=lean.groups > 1)
-            h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
+            out = out.transpose(1, 2).reshape(batch, width, lean.q_size)
+            h = h + o_proj(out if real is None else out.reshape(-1, lean.q_size)[real][None])
             a = lean._rms(norm_post, h)
             gate, up = gate_up_proj(a).chunk(2, dim=-1)
             h = h + down_proj(F.silu(gate) * up)
-        return lean._rms(lean.norm, h)
+        return padded(lean._rms(lean.norm, h))
 
     def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
         """hidden(), in about 20 kernels a layer instead of about 45."""

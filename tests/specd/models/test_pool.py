@@ -215,3 +215,18 @@ def test_the_automatic_pool_fits_a_share_of_free_memory(tiny_target):
     assert pool_length(config, torch.float32, 8, 1 << 20, 4 * 8 * 1000 * per_token) == 999
     assert pool_length(config, torch.bfloat16, 8, 1 << 20, 4 * 8 * 1000 * per_token) == 1999
     assert pool_length(config, torch.float32, 8, 1 << 20, 4 * 8 * (MIN_POOL_LEN - 10) * per_token) == 0
+
+
+def test_rows_of_unequal_length_run_packed_on_the_exact_path(pooled):
+    """A window among decode steps: the projections see only real tokens (x.packed), and the
+    logits are those of the padded layout."""
+    pool = pooled.pool
+    rows = [s.row(ids, len(ids)) for s, ids in zip(_prefilled(pooled, PREFIXES), NEW)]
+    x = pool.inputs(rows, len(rows), 7, pool.span(rows))
+    assert (x.packed is not None) != pool.fused
+    if x.packed is not None:
+        assert x.packed.tolist() == [0, 7, 8, 9, 10, 14, 15, 16, 17, 18, 19, 20]
+        padded = pool.hidden(replace(x, packed=None))
+        packed = pool.hidden(x)
+        for b, r in enumerate(rows):
+            torch.testing.assert_close(packed[b, :len(r.ids)], padded[b, :len(r.ids)], **TOL)

@@ -1,0 +1,71 @@
+"""The verification batcher's step scheduling: sessions the last forward answered are waited for
+(briefly), so a batch does not split into halves that each run while the other travels; a
+session that ended is not waited for."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from services.target.batcher import VerifyBatcher
+
+
+@pytest.fixture
+def pooled(tiny_target):
+    model = replace(tiny_target, forward="lean")
+    model.use_pool(4, 64)
+    return model
+
+
+async def _round(batcher, sessions, late=None, delay=0.05):
+    """Each session submits one token; `late` submits `delay` seconds after the others."""
+    async def one(s):
+        if s is late:
+            await asyncio.sleep(delay)
+        return await batcher.submit(s, [7], 1, lambda logits, hidden: int(logits[-1].argmax()))
+
+    return await asyncio.gather(*(one(s) for s in sessions))
+
+
+def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
+    """Batch sizes of three rounds of two sessions, the second of which comes back late."""
+    sizes: list[int] = []
+
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        batcher = VerifyBatcher(pooled.model, executor, 8, sizes.append, gather)
+        a, b = pooled.session(), pooled.session()
+        for s in (a, b):
+            s.extend([3, 4, 5], 1)
+        try:
+            await _round(batcher, [a, b])  # together: both are expected back
+            batcher.last_forward_s = 1.0  # waiting up to gather x 1 s covers the late session
+            if forget_late:  # b's request ended instead: a goes on alone at once
+                batcher.forget(b)
+                await asyncio.wait_for(_round(batcher, [a]), 5.0)
+            else:
+                await _round(batcher, [a, b], late=b)
+        finally:
+            batcher.close()
+            executor.shutdown()
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+    return sizes
+
+
+def test_a_session_back_a_moment_late_joins_the_forward_of_the_others(pooled):
+    assert _run(pooled, gather=0.5) == [2, 2]
+
+
+def test_without_the_wait_the_late_session_runs_a_forward_of_its_own(pooled):
+    """The negative control: the same arrivals with gathering off split the batch."""
+    assert _run(pooled, gather=0.0) == [2, 1, 1]
+
+
+def test_a_session_that_ended_is_not_waited_for(pooled):
+    assert _run(pooled, gather=1000.0, forget_late=True) == [2, 1]
