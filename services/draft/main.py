@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 
+from services.common.compute import build_on, compute_thread
 from services.common.server import serve_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
@@ -15,7 +18,8 @@ from specd.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 
-def build_servicer(s: DraftSettings) -> DraftServicer:
+def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None) -> DraftServicer:
+    """Load the drafter and measure it; run on the compute thread (services.common.compute)."""
     import torch
 
     from specd.drafters import build_drafter
@@ -46,7 +50,7 @@ def build_servicer(s: DraftSettings) -> DraftServicer:
         from services.common.replay import RedisDVI
 
         dvi = RedisDVI(s.redis_url, drafter.name)
-    return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s)
+    return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s, executor=executor)
 
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
@@ -59,6 +63,6 @@ async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Ser
 
 
 async def serve(s: DraftSettings) -> None:
-    servicer = build_servicer(s)
+    servicer = await build_on(compute_thread("draft"), build_servicer, s)
     server, port = await start(s, servicer)
     await serve_until_signal("draft", server, port, servicer.registry, s.host, s.metrics_port)

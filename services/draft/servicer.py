@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
+from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.common.replay import REDIS_ERRORS, RedisDVI
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
@@ -33,9 +34,11 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
-                 registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0):
+                 registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0,
+                 executor: ThreadPoolExecutor | None = None):
+        """executor: the compute thread (services.common.compute), one model, one thread."""
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="draft")  # one model, one compute thread
+        self.executor = executor or compute_thread("draft")
         self.runners: set[DraftRunner] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "draft")

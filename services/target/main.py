@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 
+from services.common.compute import build_on, compute_thread
 from services.common.server import serve_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
@@ -14,7 +17,8 @@ from services.target.servicer import SERVICE_NAME, TargetServicer
 log = logging.getLogger(__name__)
 
 
-def build_servicer(s: TargetSettings) -> TargetServicer:
+def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None) -> TargetServicer:
+    """Load the model and measure it; run on the compute thread (services.common.compute)."""
     import torch
 
     from specd.models import load_model
@@ -23,7 +27,8 @@ def build_servicer(s: TargetSettings) -> TargetServicer:
         torch.set_num_threads(s.threads)
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off")
     use_pool(target, s)
-    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather)
+    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
+                          executor=executor)
 
 
 def use_pool(target, s: TargetSettings) -> None:
@@ -54,7 +59,7 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 
 
 async def serve(s: TargetSettings) -> None:
-    servicer = build_servicer(s)
+    servicer = await build_on(compute_thread("target"), build_servicer, s)
     server, port = await start(s, servicer)
     await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port)
     servicer.close()

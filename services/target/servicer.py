@@ -21,6 +21,7 @@ from services.common.convert import (
     sampling_from_proto,
     top_logprobs_to_proto,
 )
+from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.batcher import VerifyBatcher
@@ -37,10 +38,11 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
-                 prefill_chunk: int = 0, gather: float = 0.5):
+                 prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None):
+        """executor: the compute thread (services.common.compute), one model, one thread."""
         self.target = target
         self.prefill_chunk = prefill_chunk
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")  # one model, one compute thread
+        self.executor = executor or compute_thread("target")
         self.sessions: set[TargetSession] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
