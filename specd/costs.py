@@ -13,6 +13,18 @@ draft steps, and the target's measured *shape* t_target(n) is kept while one sca
 follows the observed forwards (a longer context or a busy machine makes every window slower,
 not one window size). So a policy that reads the curve adapts by itself to the hardware it
 runs on: on a CPU t_target(n) grows steeply with n, on a GPU it is nearly flat.
+
+Under load (the target service verifying many sessions in one forward) a window does not pay
+for a forward of its own: it joins one that the other sessions' steps pay for. The target
+measures its batched cost surface at start-up, T(B sessions, N tokens) ~ batch_seconds[B] +
+(N - B) * batch_token_seconds[B], and reports with each verification how many other sessions
+and tokens shared the forward (`observe_load`). A window of k drafts then takes
+
+    loaded_time(k) = k * t_draft + T(1 + B_o, N_o + k + 1) + overhead
+
+and yields its expected tokens plus the other sessions' plain steps (B_o tokens), so the rate a
+policy weighs is (E_k + B_o) / loaded_time(k): drafting pays only while the drafted tokens buy
+more than they slow everyone's forward. With no one else in the batch it is E_k / round_time(k).
 """
 
 from __future__ import annotations
@@ -44,6 +56,10 @@ class CostCurve:
     overhead: float = 0.0
     smoothing: float = 0.05  # weight of one new observation in the moving averages
     scale: float = 1.0  # observed / measured target cost, followed while serving
+    batch_seconds: list[float] = field(default_factory=list)  # [B-1]: a forward of B sessions x 1 token
+    batch_token_seconds: list[float] = field(default_factory=list)  # [B-1]: each further token in it
+    others: tuple[float, float] = (0.0, 0.0)  # other sessions and their tokens in the target's forwards
+    load_smoothing: float = 0.5  # weight of one verification's load in `others`
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _monotone: np.ndarray | None = field(default=None, init=False, repr=False)
 
@@ -79,6 +95,36 @@ class CostCurve:
     def round_time(self, draft_len: int) -> float:
         return draft_len * self.t_draft + self.t_target(draft_len + 1) + self.overhead
 
+    # -- under load ----------------------------------------------------------------------------
+    def loaded(self) -> bool:
+        return self.others[0] > 0 and bool(self.batch_seconds)
+
+    def loaded_time(self, draft_len: int) -> float:
+        """round_time(draft_len) in a forward shared with the others (round_time when alone)."""
+        if not self.loaded():
+            return self.round_time(draft_len)
+        sessions, tokens = self.others
+        b = 1.0 + sessions
+        base = np.interp(b, np.arange(1, len(self.batch_seconds) + 1), self.batch_seconds)
+        per_token = np.interp(b, np.arange(1, len(self.batch_token_seconds) + 1), self.batch_token_seconds)
+        if b > len(self.batch_seconds):  # more sessions than measured: each costs like the last step
+            steps = self.batch_seconds
+            base = steps[-1] + (b - len(steps)) * (steps[-1] - steps[-2] if len(steps) > 1 else steps[-1])
+        extra = max(tokens - sessions, 0.0) + draft_len  # tokens beyond one per session
+        return draft_len * self.t_draft + self.scale * float(base + extra * per_token) + self.overhead
+
+    def loaded_rate(self, expected: float, draft_len: int, spent: float = 0.0) -> float:
+        """Tokens per second of a round whose window of draft_len drafts yields `expected`
+        tokens (and that spent `spent` more seconds), counting the other sessions' plain steps
+        in the same forward."""
+        return (expected + (self.others[0] if self.loaded() else 0.0)) / (self.loaded_time(draft_len) + spent)
+
+    def observe_load(self, other_sessions: int, other_tokens: int) -> None:
+        """The forward that verified the last window carried this many other sessions and tokens."""
+        a = self.load_smoothing
+        s, t = self.others
+        self.others = (s + a * (other_sessions - s), t + a * (other_tokens - t))
+
     # -- refreshed while serving ------------------------------------------------------------
     def observe_target(self, n_tokens: int, seconds: float) -> None:
         """One target forward over n_tokens took `seconds`: follow the scale of the curve."""
@@ -90,13 +136,18 @@ class CostCurve:
         self.t_draft += self.smoothing * (seconds_per_token - self.t_draft)
 
     def to_dict(self) -> dict:
-        return {"t_draft_s": self.t_draft, "k": list(self.ks),
-                "t_target_s": [self.scale * t for t in self.t_target_k], "overhead_s": self.overhead}
+        out = {"t_draft_s": self.t_draft, "k": list(self.ks),
+               "t_target_s": [self.scale * t for t in self.t_target_k], "overhead_s": self.overhead}
+        if self.batch_seconds:
+            out["batch_s"] = [self.scale * t for t in self.batch_seconds]
+            out["batch_token_s"] = [self.scale * t for t in self.batch_token_seconds]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
         return cls(float(d["t_draft_s"]), [int(k) for k in d["k"]], [float(t) for t in d["t_target_s"]],
-                   float(d.get("overhead_s", 0.0)))
+                   float(d.get("overhead_s", 0.0)), batch_seconds=[float(t) for t in d.get("batch_s", [])],
+                   batch_token_seconds=[float(t) for t in d.get("batch_token_s", [])])
 
 
 def _median_time(fn: Callable[[], None], repeats: int) -> float:

@@ -72,6 +72,8 @@ class Coordinator:
         self.drafter_name: str | None = None
         # What cost-aware drafting weighs, kept current from every request's verifications.
         self.verify_seconds: list[float] = []  # the target's start-up cost curve
+        self.batch_seconds: list[float] = []  # and its batched cost surface (TargetInfo)
+        self.batch_token_seconds: list[float] = []
         self.decode_s: float | None = None  # its current decode cost (Verified)
         self.round_overhead_s = 0.0  # round trip beyond the forward, a moving average
 
@@ -96,6 +98,7 @@ class Coordinator:
             raise from_rpc_error(e, "target") from None
         self.tokenizer = _load_tokenizer(dict(files.files))
         self.verify_seconds = list(info.verify_seconds)
+        self.batch_seconds, self.batch_token_seconds = list(info.batch_seconds), list(info.batch_token_seconds)
         self.target_info = info.model
 
     async def _draft_info(self) -> draft_pb2.DraftInfo | SpecdError:
@@ -205,14 +208,17 @@ class Coordinator:
         overlap = cfg.overlap and (asked is not None or draft.kind not in MODEL_FREE_KINDS)
         return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
                                    drafter=draft.name,
-                                   verify_seconds=self._current_curve(), round_overhead_s=self.round_overhead_s,
+                                   verify_seconds=self._scaled(self.verify_seconds),
+                                   batch_seconds=self._scaled(self.batch_seconds),
+                                   batch_token_seconds=self._scaled(self.batch_token_seconds),
+                                   round_overhead_s=self.round_overhead_s,
                                    top_logprobs=draft.top_logprobs, features=draft.needs_features)
 
-    def _current_curve(self) -> tuple[float, ...]:
-        """The target's start-up cost curve, scaled by how its decode cost has drifted since."""
+    def _scaled(self, seconds: list[float]) -> tuple[float, ...]:
+        """Start-up costs of the target, scaled by how its decode cost has drifted since."""
         curve = self.verify_seconds
         scale = self.decode_s / curve[0] if curve and self.decode_s and curve[0] > 0 else 1.0
-        return tuple(t * scale for t in curve)
+        return tuple(t * scale for t in seconds)
 
     def _follow_costs(self, loop: RequestLoop) -> None:
         if loop.stats.target_decode_s_per_token > 0:

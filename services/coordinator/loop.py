@@ -92,6 +92,8 @@ class LoopConfig:
     draft_stall_s: float  # waiting this long on the draft alone means it is stuck: fall back
     drafter: str | None
     verify_seconds: tuple[float, ...] = ()  # the target's cost curve, for cost-aware policies
+    batch_seconds: tuple[float, ...] = ()  # and its batched cost surface
+    batch_token_seconds: tuple[float, ...] = ()
     round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
     top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
@@ -191,7 +193,8 @@ class RequestLoop:
             policy_params=spec.policy_params, policy_state=cfg.policy_state, max_length=cfg.max_length,
             lookahead=2 if cfg.overlap else 1, send_distributions=cfg.send_distributions,
             vocab_size=cfg.vocab_size, verify_seconds=cfg.verify_seconds,
-            round_overhead_seconds=cfg.round_overhead_s)
+            round_overhead_seconds=cfg.round_overhead_s, batch_seconds=cfg.batch_seconds,
+            batch_token_seconds=cfg.batch_token_seconds)
         if spec.max_draft_tokens is not None:
             open_msg.max_draft_tokens = spec.max_draft_tokens
         self.draft_call = self.draft_stub.Session(timeout=cfg.timeout_s)
@@ -340,7 +343,8 @@ class RequestLoop:
             self.unacked += 1
             await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
                 commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
-                js_distances=v.js_distances, top_logprobs=v.top_logprobs, features=v.features)))
+                js_distances=v.js_distances, top_logprobs=v.top_logprobs, features=v.features,
+                other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - k - 1, 0))))
         return emitted
 
     def _record(self, k: int, n: int, v: target_pb2.Verified) -> None:

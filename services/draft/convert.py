@@ -38,8 +38,10 @@ def commit_from_proto(msg: draft_pb2.Commit) -> Commit:
         features = features_from_proto(msg.features)
     except ValueError as e:
         raise InvalidRequest("features", str(e)) from None
+    if msg.other_sessions < 0 or msg.other_tokens < 0:
+        raise InvalidRequest("other_sessions", "the load of a forward cannot be negative")
     return Commit(msg.commit_id, tuple(msg.tokens), msg.num_verified, msg.num_strict,
-                  tuple(msg.js_distances), top, features)
+                  tuple(msg.js_distances), top, features, msg.other_sessions, msg.other_tokens)
 
 
 def event_to_proto(event) -> draft_pb2.DraftResponse:

@@ -68,6 +68,9 @@ class Commit:
     top_logprobs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     # feature drafters: (start, the target's hidden states [n, H]) of the newly committed positions
     features: tuple[int, torch.Tensor] | None = None
+    # the load of the target forward that verified it: other sessions and their new tokens
+    other_sessions: int = 0
+    other_tokens: int = 0
 
 
 @dataclass
@@ -194,6 +197,8 @@ class DraftRunner:
     # -- commits (on the event loop) --------------------------------------------------------
     def commit(self, c: Commit) -> None:
         s, n = self.committed, len(c.tokens) - 1
+        if self.policy.resources.costs is not None:
+            self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens)
         for i in range(n):
             self.strict[s + i] = i < c.num_strict
         for i, d in enumerate(c.js_distances):

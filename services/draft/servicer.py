@@ -141,7 +141,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidRequest("verify_seconds", "the cost-aware policy needs the target's cost curve; "
                                                    "the coordinator sent none (is the target service older?)")
         ts = list(msg.verify_seconds)
-        return CostCurve(self.t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds)
+        if len(msg.batch_token_seconds) != len(msg.batch_seconds):
+            raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
+        return CostCurve(self.t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
+                         batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
 
     def _on_step(self, seconds: float) -> None:
         self.metrics.step_s.observe(seconds)

@@ -20,8 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from specd.costs import synthetic_prefix
+from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
@@ -41,6 +44,7 @@ class Job:
 class BatchInfo:
     forward_seconds: float
     batch_size: int
+    batch_tokens: int = 0  # new tokens of every session in the forward
 
 
 class DecodeCost:
@@ -52,6 +56,59 @@ class DecodeCost:
 
     def observe(self, seconds: float) -> None:
         self.seconds = seconds if self.seconds <= 0 else self.seconds + self.alpha * (seconds - self.seconds)
+
+
+def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]], num_logits: list[int],
+                    want_hidden: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One forward over every session: in place over the KV pool, else over a padded copy."""
+    if all(isinstance(s, PoolSession) for s in sessions):
+        return pooled_extend(sessions, ids, num_logits, want_hidden)
+    return batched_extend_hidden(model, sessions, ids, num_logits, want_hidden)
+
+
+def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[list[float], list[float]]:
+    """The batched cost surface at start-up: for B = 1..max_batch sessions after a 64-token
+    context each, the median seconds of a forward of one new token per session, and what each
+    further token adds (one session's 9-token window in the same forward). Measured at B = 1, 2,
+    4, 8, ... and max_batch, interpolated between."""
+    prefix = synthetic_prefix(target.vocab_size)
+    sessions = []
+    try:
+        for _ in range(max_batch):
+            s = target.session()
+            sessions.append(s)
+            s.extend(prefix, 1)
+    except Overloaded:  # fewer KV slots than sessions per forward: measure what fits
+        pass
+    try:
+        points = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < len(sessions)} | {len(sessions)})
+        steps, tokens = [], []
+        for b in points:
+            group = sessions[:b]
+
+            def forward(extra: int, group=group, b=b):
+                extend_together(target.model, group, [[7] * (1 + extra)] + [[7]] * (b - 1), [1] * b, [False] * b)
+                for s in group:
+                    s.rollback(len(prefix))
+
+            one = _median_seconds(lambda: forward(0), repeats)
+            steps.append(one)
+            tokens.append(max(_median_seconds(lambda: forward(8), repeats) - one, 0.0) / 8)
+    finally:
+        for s in sessions:
+            s.close()
+    every = range(1, max(len(sessions), 1) + 1)
+    return [float(t) for t in np.interp(every, points, steps)], [float(t) for t in np.interp(every, points, tokens)]
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 class VerifyBatcher:
@@ -131,13 +188,9 @@ class VerifyBatcher:
 
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
-        sessions = [j.session for j in jobs]
-        args = ([j.ids for j in jobs], [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
-        if all(isinstance(s, PoolSession) for s in sessions):  # one forward over the pool, in place
-            out = pooled_extend(sessions, *args)
-        else:
-            out = batched_extend_hidden(self.model, sessions, *args)
-        info = BatchInfo(time.perf_counter() - t0, len(jobs))
+        out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
+                              [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
+        info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
         return [(j.then(lg, h), info) for j, (lg, h) in zip(jobs, out)]

@@ -24,7 +24,7 @@ from services.common.convert import (
 from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
-from services.target.batcher import VerifyBatcher
+from services.target.batcher import VerifyBatcher, measure_batch_surface
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
@@ -54,6 +54,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # value of the decode cost, which serving then keeps current.
         self.verify_seconds = measure_verify_seconds(target)
         self.batcher.decode_cost.observe(self.verify_seconds[0])
+        # What a forward of B sessions costs, for policies that price a window in the batch it joins.
+        self.batch_seconds, self.batch_token_seconds = measure_batch_surface(target, max_batch_size)
 
     @property
     def active_sessions(self) -> int:
@@ -72,7 +74,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size,
-                                     verify_seconds=self.verify_seconds)
+                                     verify_seconds=self.verify_seconds, batch_seconds=self.batch_seconds,
+                                     batch_token_seconds=self.batch_token_seconds)
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
         if self.target.tokenizer is None:
@@ -144,7 +147,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             top_logprobs=top_logprobs_to_proto(top), features=feats,
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
-            forward_seconds=batch.forward_seconds, batch_size=batch.batch_size,
+            forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
             decode_seconds_per_token=self.batcher.decode_cost.seconds))
 
     def _distributions(self, session: TargetSession, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:

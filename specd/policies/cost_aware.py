@@ -178,10 +178,10 @@ class CostAwarePolicy(StoppingPolicy):
 
     def decide(self, step: DraftStep) -> Decision:
         costs, k = self.costs, step.index
-        rate_drop = self.expected / (costs.round_time(k - 1) + costs.t_draft)
+        rate_drop = costs.loaded_rate(self.expected, k - 1, spent=costs.t_draft)  # token k's draft time is spent
         self.survive *= self.estimate(feature_bin(step))
         self.expected += self.survive
-        rate_stop = self.expected / costs.round_time(k)
+        rate_stop = costs.loaded_rate(self.expected, k)
         rate_go = self._continue_rate(step, rate_stop)
         if rate_go > rate_stop and rate_go > rate_drop:
             return Decision.CONTINUE
@@ -197,7 +197,7 @@ class CostAwarePolicy(StoppingPolicy):
             else:  # a model drafter: assume the next tokens are as good as this one
                 survive *= self.estimate(feature_bin(step))
             expected += survive
-            best = max(best, expected / costs.round_time(k + m))
+            best = max(best, costs.loaded_rate(expected, k + m))
             if best > beat:
                 break
         return best

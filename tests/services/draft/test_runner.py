@@ -225,3 +225,48 @@ def test_a_policy_that_skips_drafting_gets_plain_steps():
     assert [(e.start, e.end, e.reason) for e in events if isinstance(e, WindowEnd)] == [
         (3, 3, "policy"), (4, 4, "policy")]  # an empty window per round: verify a plain step
     assert not [e for e in events if isinstance(e, Token)]
+
+
+def test_cost_aware_prices_the_next_window_in_the_forward_the_commit_reports():
+    """A commit carries the load of the target forward that verified it; cost-aware then stops
+    drafting where the batch is compute-bound (a drafted token costs more than another session's
+    step) and drafts again once the batch is small."""
+    from specd.costs import CostCurve
+    from specd.policies import PolicyResources
+
+    ks = list(range(1, 18))
+    costs = CostCurve(0.0005, ks, [0.020 + 0.0002 * (n - 1) for n in ks], load_smoothing=1.0,
+                      batch_seconds=[0.020 + 0.006 * (b - 1) for b in range(1, 33)],
+                      batch_token_seconds=[0.012] * 32)
+    policy = build_policy("cost-aware", {}, {}, PolicyResources(costs=costs))
+
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=1,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        drafted = []
+        for commit_id, others in enumerate([(31, 31), (0, 0)], 1):
+            await settle()
+            while executor.pending:  # draft the open window to its end
+                executor.step()
+                await settle()
+            ends = [e for e in events if isinstance(e, WindowEnd)]
+            drafted.append(ends[-1].end - ends[-1].start)
+            runner.commit(Commit(commit_id, tuple(runner.seq[ends[-1].start:ends[-1].end]) + (9,),
+                                 num_verified=drafted[-1], num_strict=drafted[-1], other_sessions=others[0],
+                                 other_tokens=others[1]))
+        await settle()
+        while executor.pending:
+            executor.step()
+            await settle()
+        ends = [e for e in events if isinstance(e, WindowEnd)]
+        drafted.append(ends[-1].end - ends[-1].start)
+        task.cancel()
+        return drafted
+
+    alone, crowded, small_again = asyncio.run(run())
+    assert alone >= 4  # the first window: no load reported yet
+    assert crowded == 0  # after a forward with 31 others of one token each
+    assert small_again >= 4

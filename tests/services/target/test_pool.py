@@ -14,6 +14,7 @@ import torch
 from services.common.convert import features_from_proto
 from services.common.server import channel
 from services.common.settings import TargetSettings
+from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
@@ -105,3 +106,22 @@ def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, p
             break
         asyncio.run(asyncio.sleep(0.05))
     assert pool.in_use() == 0
+
+
+def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled_service):
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            info = await stub.Info(common_pb2.InfoRequest())
+            call = await _open(stub)
+            plain = await _verify(call, [])
+            window = await _verify(call, [3, 4, 5], 2)
+            await _close(call)
+            return info, plain, window
+
+    info, plain, window = asyncio.run(run())
+    # Two KV slots: the surface is measured for forwards of one and of two sessions.
+    assert len(info.batch_seconds) == len(info.batch_token_seconds) == 2
+    assert all(t > 0 for t in info.batch_seconds) and all(t >= 0 for t in info.batch_token_seconds)
+    assert (plain.batch_size, plain.batch_tokens) == (1, 1)  # the pending token alone
+    assert (window.batch_size, window.batch_tokens) == (1, 4)  # the pending token and three drafts

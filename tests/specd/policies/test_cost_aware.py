@@ -187,3 +187,53 @@ def test_stops_drafting_when_the_drafter_does_not_earn_its_time_back_but_keeps_l
     for _ in range(50):
         good.observe(RoundOutcome(3, 3, (0.5,) * 3, False, (), tuple(model_step(i, 0.95) for i in (1, 2, 3))))
     assert all(good.should_draft() for _ in range(32))
+
+
+# A target whose batched forward is launch-bound up to 8 sessions (flat) and compute-bound beyond:
+# B sessions x 1 token cost BATCH[B-1]; each further token BATCH_TOKEN[B-1].
+BATCH = [0.020 + 0.0005 * b if b <= 8 else 0.024 + 0.006 * (b - 8) for b in range(1, 33)]
+BATCH_TOKEN = [0.0002 if b <= 8 else 0.006 for b in range(1, 33)]
+
+
+def loaded_policy(others: tuple[int, int] | None) -> object:
+    costs = CostCurve(0.0005, KS, [0.020 + 0.0002 * (n - 1) for n in KS], batch_seconds=list(BATCH),
+                      batch_token_seconds=list(BATCH_TOKEN), load_smoothing=1.0)
+    if others is not None:
+        costs.observe_load(*others)
+    return policy(costs)
+
+
+def test_under_load_windows_follow_the_batch_they_join():
+    """The load-aware decision table: a small batch on a flat surface keeps long windows; a large,
+    compute-bound batch makes even a likely draft not worth the forward it slows for everyone."""
+    confident = lambda i: model_step(i, 0.85)
+    alone, _ = window(loaded_policy(None), confident)
+    small, _ = window(loaded_policy((3, 3)), confident)
+    assert alone >= 10 and small >= 8
+    k, decision = window(loaded_policy((31, 31)), confident)
+    assert (k, decision) == (1, D)  # 32 sessions: each token costs as much as another session's step
+
+
+def test_speculation_comes_back_when_the_load_falls():
+    """The load is a moving average of what the verifications report, so windows come back over a
+    few rounds once the batch shrinks (and not on one quiet forward)."""
+    p = loaded_policy(None)
+    p.costs.load_smoothing = 0.5
+    confident = lambda i: model_step(i, 0.85)
+    for _ in range(6):
+        p.costs.observe_load(31, 31)
+    assert window(p, confident) == (1, D)
+    p.costs.observe_load(0, 0)  # one forward alone: still about 15 others on average
+    assert window(p, confident) == (1, D)
+    for _ in range(6):
+        p.costs.observe_load(0, 0)
+    assert window(p, confident)[0] >= 10
+
+
+def test_an_unloaded_curve_prices_windows_as_before():
+    costs = CostCurve(0.002, KS, [0.033 + 0.012 * (n - 1) for n in KS], batch_seconds=list(BATCH),
+                      batch_token_seconds=list(BATCH_TOKEN))
+    costs.observe_load(0, 0)
+    for k in range(8):
+        assert costs.loaded_time(k) == costs.round_time(k)
+        assert costs.loaded_rate(2.0, k) == 2.0 / costs.round_time(k)

@@ -52,7 +52,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenDraft, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., close: _Optional[_Union[CloseDraft, _Mapping]] = ...) -> None: ...
 
 class OpenDraft(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "verify_seconds", "round_overhead_seconds")
+    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "verify_seconds", "round_overhead_seconds", "batch_seconds", "batch_token_seconds")
     class PolicyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class OpenDraft(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     policy: str
@@ -91,10 +93,12 @@ class OpenDraft(_message.Message):
     vocab_size: int
     verify_seconds: _containers.RepeatedScalarFieldContainer[float]
     round_overhead_seconds: float
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ...) -> None: ...
+    batch_seconds: _containers.RepeatedScalarFieldContainer[float]
+    batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features")
+    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features", "other_sessions", "other_tokens")
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +106,8 @@ class Commit(_message.Message):
     JS_DISTANCES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     commit_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     num_verified: int
@@ -109,7 +115,9 @@ class Commit(_message.Message):
     js_distances: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     features: _common_pb2.Features
-    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    other_sessions: int
+    other_tokens: int
+    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., other_sessions: _Optional[int] = ..., other_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseDraft(_message.Message):
     __slots__ = ()
