@@ -38,6 +38,7 @@ class Job:
     then: Callable[[torch.Tensor, torch.Tensor | None], object]  # on the compute thread: (logits, hidden)
     future: asyncio.Future = field(default=None)
     want_hidden: bool = False
+    queued_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,9 @@ def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
 
 class VerifyBatcher:
     def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
-                 on_batch: Callable[[int], None] | None = None, gather: float = 0.5):
+                 on_batch: Callable[[int, int, list[float]], None] | None = None, gather: float = 0.5):
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
-        self.on_batch = on_batch  # called with each forward's batch size
+        self.on_batch = on_batch  # called with each forward's sessions, tokens and queue waits
         self.gather = gather  # wait for returning sessions up to this fraction of the last forward
         self.queue: list[Job] = []
         self.arrived = asyncio.Event()
@@ -132,7 +133,8 @@ class VerifyBatcher:
         batch's info (hidden: the last hidden states of the same positions, if wanted)."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
-        job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden)
+        job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden,
+                  time.perf_counter())
         self.returning.discard(session)
         self.queue.append(job)
         self.arrived.set()
@@ -169,9 +171,9 @@ class VerifyBatcher:
             if not jobs:
                 continue
             self.last_batch_size = len(jobs)
-            if self.on_batch is not None:
-                self.on_batch(len(jobs))
             t0 = time.perf_counter()
+            if self.on_batch is not None:
+                self.on_batch(len(jobs), sum(len(j.ids) for j in jobs), [t0 - j.queued_at for j in jobs])
             try:
                 results = await loop.run_in_executor(self.executor, self._forward, jobs)
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error

@@ -6,6 +6,12 @@
                                           above 16, "17+"); a batched forward counts for each session
   specd_verify_batch_size                 histogram: sessions per verification forward pass
   specd_verify_last_batch_size            gauge: sessions in the latest forward pass
+  specd_target_forward_tokens             histogram: new tokens per verification forward pass (all
+                                          its sessions' windows)
+  specd_verify_queue_seconds              histogram: seconds a verification waited for its forward
+                                          pass (behind the running one, and gathering its batch)
+  specd_verify_queue_depth                gauge: verifications waiting for a forward pass
+  specd_target_prefill_chunks_total       counter: prompt chunks prefilled (prefill_chunk tokens each)
   specd_target_decode_seconds_per_token   gauge: the measured cost of one plain decoding step (one
                                           session, one token), measured at start-up and kept current
                                           while serving; coordinators price target-only decoding
@@ -34,12 +40,14 @@ from services.common.metrics import (
 )
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class TargetMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, sessions: Callable[[], int] = lambda: 0,
                  kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0,
-                 kv_slots: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+                 kv_slots: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 queue_depth: Callable[[], int] = lambda: 0):
         """kv_slots: (slots in use, slots) of the KV pool."""
         self.registry, self.model = registry, model
         active_sessions(registry, "target", sessions)
@@ -58,6 +66,16 @@ class TargetMetrics:
         in_use = Gauge("specd_target_kv_slots_in_use", "KV pool slots taken by open sessions", ["model"],
                        registry=registry)
         in_use.labels(model).set_function(lambda: kv_slots()[0])
+        self.forward_tokens = Histogram("specd_target_forward_tokens", "new tokens per verification forward",
+                                        ["model"], buckets=TOKEN_BUCKETS, registry=registry)
+        self.queue_s = Histogram("specd_verify_queue_seconds", "seconds a verification waited for its forward",
+                                 ["model"], buckets=STEP_BUCKETS, registry=registry)
+        depth = Gauge("specd_verify_queue_depth", "verifications waiting for a forward", ["model"],
+                      registry=registry)
+        depth.labels(model).set_function(queue_depth)
+        self.prefill_chunks = Counter("specd_target_prefill_chunks", "prompt chunks prefilled", ["model"],
+                                      registry=registry)
+        self.prefill_chunks.labels(model)
         self.refused = Counter("specd_target_refused_sessions", "sessions refused: every KV slot taken",
                                ["model"], registry=registry)
         self.refused.labels(model)  # a zero series from the start
@@ -68,6 +86,13 @@ class TargetMetrics:
     def observe_refused(self) -> None:
         self.refused.labels(self.model).inc()
 
-    def observe_batch(self, batch_size: int) -> None:
+    def observe_batch(self, batch_size: int, tokens: int, waits: list[float]) -> None:
+        """One forward: its sessions, their new tokens, and how long each waited for it."""
         self.batch_size.labels(self.model).observe(batch_size)
         self.last_batch.labels(self.model).set(batch_size)
+        self.forward_tokens.labels(self.model).observe(tokens)
+        for w in waits:
+            self.queue_s.labels(self.model).observe(w)
+
+    def observe_prefill_chunk(self) -> None:
+        self.prefill_chunks.labels(self.model).inc()

@@ -47,7 +47,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
-                                     lambda: self.batcher.decode_cost.seconds, self._kv_slots)
+                                     lambda: self.batcher.decode_cost.seconds, self._kv_slots,
+                                     lambda: len(self.batcher.queue))
         self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
@@ -100,8 +101,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sessions.add(session)
         try:
             t0 = time.perf_counter()
-            while await loop.run_in_executor(self.executor, session.prefill, self.prefill_chunk):
-                pass  # other sessions' forwards run between the chunks
+            more = True
+            while more:  # other sessions' forwards run between the chunks
+                cached = session.kv.length
+                more = await loop.run_in_executor(self.executor, session.prefill, self.prefill_chunk)
+                if session.kv.length > cached:
+                    self.metrics.observe_prefill_chunk()
             prefill_s = time.perf_counter() - t0
             async for msg in stream:
                 kind = msg.WhichOneof("kind")

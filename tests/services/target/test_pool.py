@@ -119,7 +119,14 @@ def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled
             await _close(call)
             return info, plain, window
 
+    registry, labels = pooled_service.servicer.registry, {"model": pooled_service.servicer.target.name}
+    chunks = registry.get_sample_value("specd_target_prefill_chunks_total", labels)
+    tokens = registry.get_sample_value("specd_target_forward_tokens_sum", labels)
     info, plain, window = asyncio.run(run())
+    # The 8-token prompt's first 7 are prefilled in chunks of 3; the two forwards fed 1 and 4 tokens.
+    assert registry.get_sample_value("specd_target_prefill_chunks_total", labels) == chunks + 3
+    assert registry.get_sample_value("specd_target_forward_tokens_sum", labels) == tokens + 5
+    assert registry.get_sample_value("specd_verify_queue_seconds_count", labels) >= 2
     # Two KV slots: the surface is measured for forwards of one and of two sessions.
     assert len(info.batch_seconds) == len(info.batch_token_seconds) == 2
     assert all(t > 0 for t in info.batch_seconds) and all(t >= 0 for t in info.batch_token_seconds)
