@@ -61,10 +61,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                    "output may drift from the target alone by rounding)")
     p.add_argument("--linear-kernels", default="auto", choices=["auto", "onednn", "torch"],
                    help="auto: oneDNN with weights packed at load time for a float32 model on the CPU "
-                        "(1.3x faster there end to end, docs/engine.md); torch: PyTorch's default kernels")
+                        "(faster there: docs/engine.md); torch: PyTorch's default kernels")
     p.add_argument("--forward", default="auto", choices=["auto", "lean", "hf"],
                    help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
-                        "Llama on the CPU (transformers' logits bit for bit, about 1.2x faster a step, "
+                        "Llama on the CPU (transformers' logits bit for bit, faster a step: "
                         "docs/engine.md); hf: transformers' forward")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="auto: on a CUDA device, run the target from a preallocated KV pool with each "
@@ -103,7 +103,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--relaxed", action="store_true", help="AdaSD relaxed verification (LOSSY, adasd only)")
     g.add_argument("--branches", type=int,
                    help="side branches verified beside the drafted chain as a draft tree (ngram, retrieval, "
-                        "hybrid; default 0: chains only, trees were slower on the 2-core CPU, docs/engine.md; "
+                        "hybrid; default 0: chains only, docs/engine.md says why; "
                         "hybrid's default 2: its lookup branches)")
     g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
                                                        "head for the embedded early-exit-4 pair)")

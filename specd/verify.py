@@ -1,4 +1,4 @@
-"""Verification of a draft window against the target (DESIGN.md §3.1).
+"""Verification of a draft window against the target (docs/engine.md, "Verification").
 
 Given the target's distributions p over k+1 positions (k draft positions plus the bonus
 position) and the draft tokens x_1..x_k with their draft distributions q:

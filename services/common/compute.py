@@ -2,9 +2,9 @@
 
 A model service computes on one worker thread so that its event loop stays free for gRPC. Every
 tensor operation of the process belongs on that thread, loading and start-up measurements
-included: once torch has run a parallel region on a second thread (the main one), the worker's
-forwards on this machine's CPU took about 40% longer (docs/benchmarks.md, "Under load through
-the services"). So a service builds its servicer on the compute thread and keeps using it.
+included: once torch has run on a second thread (the main one), the worker's forwards on the
+CPU ran markedly slower (docs/engine.md, "One compute thread, from the start"). So a service
+builds its servicer on the compute thread and keeps using it.
 """
 
 from __future__ import annotations

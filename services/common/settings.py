@@ -69,6 +69,13 @@ class DraftSettings(ModelSettings, EarlyExitFields):
                                          "hot-swap the adapters `specd serve trainer` publishes; needs redis_url")
     dvi_poll_s: float = Field(1.0, gt=0, le=3600, description="seconds between checks for a new DVI adapter")
     redis_url: str | None = redis_field("Redis holding the DVI replay stream and adapters (with dvi)")
+    kv_slots: int = Field(16, ge=0, le=4096,
+                          description="sessions a model drafter (hf, early-exit) keeps in a preallocated KV "
+                                      "pool, whose draft steps then run in shared forwards; a session beyond "
+                                      "them is refused and its request goes on with the target alone. 0: no "
+                                      "pool, each session drafts alone")
+    kv_max_len: int = Field(4608, ge=2, le=1 << 20, description="positions of one KV slot (as the target's)")
+    max_batch_size: int = Field(16, ge=1, le=256, description="most sessions' draft steps in one forward pass")
 
 
 class TrainerSettings(ServiceSettings, ModelFields, EarlyExitFields):

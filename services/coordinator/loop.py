@@ -1,5 +1,5 @@
 """One request's draft -> verify loop over the draft and target services, with PEARL
-overlap (Liu et al. 2024, arXiv 2408.11850; DESIGN.md §3.4).
+overlap (Liu et al. 2024, arXiv 2408.11850; docs/services.md).
 
 The draft service streams draft tokens and window ends; the target service verifies
 *chunks*. Whenever the target is idle the loop sends it the next chunk: the drafts that

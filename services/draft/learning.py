@@ -1,4 +1,4 @@
-"""The draft service's side of online learning (DVI, DESIGN.md §3.5).
+"""The draft service's side of online learning (DVI, docs/engine.md, "Online learning (DVI)").
 
 Runners hand over the records of every judged window (`log`); a writer task appends them to
 the replay stream in Redis in batches, off the drafting path. A watcher task polls the

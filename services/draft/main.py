@@ -23,7 +23,9 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
     import torch
 
     from specd.drafters import build_drafter
+    from specd.drafters.early_exit import EarlyExitDrafter
     from specd.models import load_model
+    from specd.models.lean import supports
     from specd.models.loading import model_name
     from specd.policies import AcceptanceHead, bundled_head_path
 
@@ -41,8 +43,12 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
     elif s.drafter == "hf":
         model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels,
                                          s.forward, cuda_graphs="off")  # sessions without a slot cap
+    if draft_model is not None and s.kv_slots > 0 and supports(draft_model.model):
+        draft_model.use_pool(s.kv_slots, s.kv_max_len)  # sessions' draft steps then share forwards
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter, s.datastore,
                             model_name(s.target_model))
+    if isinstance(drafter, EarlyExitDrafter) and s.kv_slots > 0 and supports(model.model):
+        drafter.use_pool(s.kv_slots, s.kv_max_len)  # a pool of its own layers only
     head_path = s.specdecpp_head or bundled_head_path(drafter.name)
     head = AcceptanceHead.load(head_path).to(model.device) if head_path and model is not None else None
     dvi = None
@@ -50,7 +56,8 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
         from services.common.replay import RedisDVI
 
         dvi = RedisDVI(s.redis_url, drafter.name)
-    return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s, executor=executor)
+    return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s, executor=executor,
+                         max_batch_size=s.max_batch_size)
 
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
@@ -66,3 +73,4 @@ async def serve(s: DraftSettings) -> None:
     servicer = await build_on(compute_thread("draft"), build_servicer, s)
     server, port = await start(s, servicer)
     await serve_until_signal("draft", server, port, servicer.registry, s.host, s.metrics_port)
+    servicer.close()

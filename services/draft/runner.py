@@ -1,7 +1,7 @@
 """One drafting session: windows of draft tokens proposed ahead of the committed sequence.
 
 The runner drafts token after token on its own guesses, asks the stopping policy after
-each one (DESIGN.md §3.2) and publishes every token the moment it exists. A window ends
+each one (docs/engine.md, "Policies and shared state") and publishes every token the moment it exists. A window ends
 when the policy says stop (or at the cap, the length limit, or when the drafter has no
 proposal). With `lookahead` 1 it then waits for the window's verification (sequential
 speculative decoding); with 2 it goes on drafting the next window on top of the current one
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.batcher import StepBatcher
 from specd.drafters.base import DraftSession, DraftToken
 from specd.dvi import Record
 from specd.policies import Decision, StoppingPolicy
@@ -93,13 +94,16 @@ class DraftRunner:
                  executor: Executor, publish: Callable[[object], None],
                  on_step: Callable[[float], None] | None = None,
                  log_records: Callable[[list[Record]], None] | None = None,
-                 adapter_version: Callable[[], int] = lambda: 0):
+                 adapter_version: Callable[[], int] = lambda: 0, batcher: StepBatcher | None = None):
+        """batcher: runs this session's draft steps in forwards shared with other sessions, where
+        the session can (a model drafter over a KV pool); otherwise each step runs alone."""
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this runner's own drafts
         self.prompt_len = len(prompt)
         self.committed = len(prompt)
         self.max_length, self.lookahead, self.send_q = max_length, lookahead, send_q
         self.executor, self.publish, self.on_step = executor, publish, on_step
+        self.batcher = batcher
         self.log_records, self.adapter_version = log_records, adapter_version  # online learning (DVI)
         self.want_hidden = policy.needs_hidden or log_records is not None
         self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> the target's top log-probs
@@ -135,7 +139,11 @@ class DraftRunner:
             self.features.clear()
             epoch, seq = self.epoch, list(self.seq)
             t0 = time.perf_counter()
-            d = await loop.run_in_executor(self.executor, self._next, seq)
+            step = self.batcher and self.session.batch_step(seq, self.sampling, self.generator, self.want_hidden)
+            if step:
+                d, _ = await self.batcher.submit(step.kv, step.ids, 1, step.finish, self.want_hidden)
+            else:
+                d = await loop.run_in_executor(self.executor, self._next, seq)
             seconds = time.perf_counter() - t0
             self.draft_seconds += seconds
             if self.on_step is not None:

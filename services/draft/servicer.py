@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
+from services.common.batcher import StepBatcher
 from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.common.replay import REDIS_ERRORS, RedisDVI
@@ -35,10 +36,14 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
                  registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0,
-                 executor: ThreadPoolExecutor | None = None):
-        """executor: the compute thread (services.common.compute), one model, one thread."""
+                 executor: ThreadPoolExecutor | None = None, max_batch_size: int = 16):
+        """executor: the compute thread (services.common.compute), one model, one thread.
+        max_batch_size: most sessions' draft steps in one forward (model drafters over a KV pool)."""
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = executor or compute_thread("draft")
+        # Draft steps of concurrent sessions share forwards; a session comes back at once when its
+        # window goes on, so the batcher never waits for one (gather 0).
+        self.batcher = StepBatcher(None, self.executor, max_batch_size, gather=0.0)
         self.runners: set[DraftRunner] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "draft")
@@ -64,6 +69,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             await self.learning.start()
 
     def close(self) -> None:
+        self.batcher.close()
         if self.learning is not None:
             self.learning.stop()
 
@@ -133,7 +139,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
                            msg.lookahead, send_q, self.executor, publish, self._on_step,
                            learning.log if learning is not None else None,
-                           lambda: self.drafter.lora_version)
+                           lambda: self.drafter.lora_version, self.batcher)
 
     def _costs(self, msg: draft_pb2.OpenDraft) -> CostCurve:
         """This session's cost curve: the target's (from the coordinator) and this service's t_draft."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible REST gateway (DESIGN.md §4): FastAPI routes over a Backend.
+"""The OpenAI-compatible REST gateway (docs/services.md, "The protocol"): FastAPI routes over a Backend.
 
 Routes only translate: JSON -> GenerateRequest (convert) -> backend.generate -> JSON or
 Server-Sent Events. Errors are raised, never handled here; `errors.install` maps them.

@@ -1,5 +1,5 @@
 """The REST wire format: pydantic models mirroring OpenAI's chat and completions API, plus
-the `speculative` request extension and the `spec_stats` response field (DESIGN.md §4).
+the `speculative` request extension and the `spec_stats` response field (docs/services.md, "The protocol").
 
 Unknown request fields are accepted and ignored, as OpenAI clients send many; the ones that
 would change the answer and that this server does not implement (n > 1, logprobs, echo,

@@ -1,6 +1,6 @@
 """The target service's gRPC servicer: Info, GetTokenizer and the per-request verification
 Session stream. It only translates; verification is services.target.session and the
-batching of concurrent sessions is services.target.batcher."""
+batching of concurrent sessions is services.common.batcher."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from services.common.convert import (
 from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
-from services.target.batcher import VerifyBatcher, measure_batch_surface
+from services.common.batcher import StepBatcher, measure_batch_surface
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
@@ -49,7 +49,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
                                      lambda: self.batcher.decode_cost.seconds, self._kv_slots,
                                      lambda: len(self.batcher.queue))
-        self.batcher = VerifyBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
+        self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
         # value of the decode cost, which serving then keeps current.

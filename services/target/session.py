@@ -1,7 +1,7 @@
 """One verification session on the target: the committed sequence, its KV cache and, for
 unseeded sampling, its random generator. After each verification the cache keeps the
 committed tokens plus the accepted drafts; the recovered or bonus token is fed with the next
-window (engine.py's invariant, DESIGN.md §3.1)."""
+window (engine.py's invariant, docs/engine.md, "The round")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`specd serve trainer`: the DVI trainer (DESIGN.md §3.5).
+"""`specd serve trainer`: the DVI trainer (docs/engine.md, "Online learning (DVI)").
 
 It reads the replay stream draft services log judged draft positions to, makes
 `updates_per_record` LoRA updates per record read (specd.dvi.DVITrainer: KL first, then KL

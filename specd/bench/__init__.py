@@ -1,4 +1,4 @@
-"""`specd bench` (DESIGN.md §3.3): tokens/s and speedup over target-only decoding measured in
+"""`specd bench` (docs/benchmarks.md): tokens/s and speedup over target-only decoding measured in
 the same run, MAT, acceptance, verification and discard rates, draft-length distributions, the
 oracle bound with its measured cost curve, and transformers' own speculative decoders as peers.
 

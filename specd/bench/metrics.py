@@ -1,4 +1,4 @@
-"""Benchmark metrics (DESIGN.md §3.3; SpecDec++, Huang et al. 2024, §5).
+"""Benchmark metrics (docs/benchmarks.md; SpecDec++, Huang et al. 2024, §5).
 
 Per run, with N new tokens, V verifications (target forwards; the prefill is the first),
 D drafted and A accepted draft tokens:

@@ -1,4 +1,4 @@
-"""The oracle bound (DESIGN.md §3.3; SpecDec++, Huang et al. 2024, Thm 4.1) and the cost curve.
+"""The oracle bound (docs/benchmarks.md; SpecDec++, Huang et al. 2024, Thm 4.1) and the cost curve.
 
 An oracle length policy knows the target's greedy output y_1..y_N. It drafts each maximal run
 of tokens the draft agrees with (teacher-forced: argmax q(. | prompt, y_<i) == y_i; under a

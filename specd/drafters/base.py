@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specd.errors import ModelError
+from specd.models.pool import PoolSession
 from specd.models.session import KVSession
 from specd.sampling import entropy, logits_to_probs, race_row, sample
 from specd.types import SamplingParams
@@ -37,6 +39,16 @@ class DraftToken:
     support: float = 1.0  # ... and the share of them that continue with it
     # coupled sampling: E(x), the race noise of x at its position (specd.sampling); < 0: not coupled
     noise: float = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStep:
+    """One session's part of a batched draft forward: feed `ids` to `kv` (a KV pool session),
+    then `finish(logits [1, V], hidden [1, H] | None)` is the DraftToken `next` would return."""
+
+    kv: object
+    ids: list[int]
+    finish: Callable[[torch.Tensor, torch.Tensor | None], DraftToken]
 
 
 class DraftSession(ABC):
@@ -59,6 +71,12 @@ class DraftSession(ABC):
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
         """The target's last hidden states [n, H] at positions start..start+n-1 of the verified
         sequence (only for drafters with needs_target_features)."""
+
+    def batch_step(self, seq: list[int], params: SamplingParams, generator: torch.Generator | None,
+                   want_hidden: bool) -> BatchStep | None:
+        """`next` split for a batched forward over many sessions (a draft service serving them),
+        or None where this session's steps cannot join one (the default)."""
+        return None
 
     def close(self) -> None:
         """Free per-request memory."""
@@ -208,6 +226,15 @@ class ModelDraftSession(DraftSession):
 
     def next(self, seq, params, generator, want_hidden):
         logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
+        return self._token(logits, hidden, seq, params, generator)
+
+    def batch_step(self, seq, params, generator, want_hidden):
+        if not isinstance(self.kv, PoolSession):
+            return None
+        return BatchStep(self.kv, seq[self.kv.length:],
+                         lambda logits, hidden: self._token(logits, hidden, seq, params, generator))
+
+    def _token(self, logits, hidden, seq, params, generator) -> DraftToken:
         return draft_token(fit_vocab(logits[0], self.vocab_size), params, generator,
                            hidden[0] if hidden is not None else None, len(seq))
 

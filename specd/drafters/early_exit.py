@@ -138,11 +138,17 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         h = self.adapter(h)
         return self.vocab_logits(h), (h if want_hidden else None)
 
+    def use_pool(self, slots: int, max_len: int) -> KVPool:
+        """Open sessions in a KV pool of the drafter's own layers (a draft service batching its
+        sessions' steps); a target with a pool of its own gives the drafter one of its shape anyway."""
+        self._kv_pool = _pool_of(self, slots, max_len)
+        return self._kv_pool
+
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
         vocab_size = vocab_size or self.target.vocab_size
-        if self.target.pool is not None:  # the target runs from a KV pool: so do its first layers
-            if self._kv_pool is None:
-                self._kv_pool = _pool_of(self)
+        if self._kv_pool is None and self.target.pool is not None:  # the target's pool: so do its first layers
+            self._kv_pool = _pool_of(self, self.target.pool.num_slots, self.target.pool.max_len)
+        if self._kv_pool is not None:
             return ModelDraftSession(self._kv_pool.session(), vocab_size)
         if self.target.forward_kind() != "lean":
             return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size)
@@ -152,9 +158,8 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         return ModelDraftSession(KVSession(self.lean_forward, self.target.device, self._lean.new_cache()), vocab_size)
 
 
-def _pool_of(drafter: EarlyExitDrafter) -> KVPool:
-    """The drafter's own KV pool, shaped like its target's (CUDA graphs too, if the target's
-    forwards are captured)."""
+def _pool_of(drafter: EarlyExitDrafter, slots: int, max_len: int) -> KVPool:
+    """The drafter's own KV pool (CUDA graphs too, if the target's forwards are captured)."""
     target = drafter.target.pool
     if drafter._lean is None:
         drafter._lean = LeanLlama(drafter.target.model, list(drafter.decoder.layers))
@@ -163,8 +168,8 @@ def _pool_of(drafter: EarlyExitDrafter) -> KVPool:
         logits, adapted = drafter.head_logits(h, True)
         return logits.float(), adapted
 
-    pool = KVPool(drafter._lean, target.num_slots, target.max_len, head=head)
-    if target.graphs is not None:
+    pool = KVPool(drafter._lean, slots, max_len, head=head)
+    if target is not None and target.graphs is not None:
         from specd.models.graphs import GraphRunner
 
         GraphRunner(pool)

@@ -120,8 +120,8 @@ class NgramDrafter(Drafter):
     kind = "ngram"
     has_distribution = False
     datastore: Datastore | None = None
-    # Draft trees (specd.tree) on request only: on the 2-core CPU they raised tokens per round
-    # by 14% and cost 17% more per verification (docs/engine.md, "Draft trees").
+    # Draft trees (specd.tree) on request only: on the 2-core CPU they cost about as much per
+    # verification as they added per round (docs/engine.md, "Draft trees").
     branches = 0
     branch_length = 4
 

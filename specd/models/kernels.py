@@ -1,14 +1,10 @@
 """Linear kernels for CPU float32: oneDNN with weights packed once, at load time.
 
-PyTorch's default CPU linear (MKL sgemm) is slow exactly where speculative decoding lives.
-Measured on the 2-core AMD EPYC machine (float32, 2 threads), the embedded model's LM head
-(49152 x 576) takes 10 ms for 1 row, 22 ms for 2, 34 ms for 3 and 17 ms for 4-8: MKL runs 2-3
-rows as repeated matrix-vector products and packs the weight again on every call above
-that. oneDNN with the weight reordered once into its blocked layout takes 4.4-4.8 ms for any
-of 1-8 rows. A whole target forward over the KV cache (one to sixteen new tokens) went from
-58/100/128/87/103/124 ms (n = 1/2/3/4/8/16) to 38/53/50/42/46/54 ms: a one-token step is 1.5x
-faster, and a verification of 8 tokens costs 1.2x one step instead of 1.8x. End to end (all 80
-MT-bench first turns, 128 tokens) target-alone decoding went from 16.3 to 20.8 tok/s.
+PyTorch's default CPU linear (MKL sgemm) is slow exactly where speculative decoding lives: it
+runs 2-3 rows as repeated matrix-vector products and packs the weight again on every call
+above that, so a verification window costs far more than a decoding step. oneDNN with the
+weight reordered once into its blocked layout costs about the same for any of 1-8 rows
+(docs/engine.md, "Linear kernels on the CPU", has the measurements).
 
 Outputs differ from MKL's in the last bits (at most 3e-6 with random weights of the embedded model's shapes), as
 MKL's own matrix-vector and matrix-matrix paths differ from each other; greedy identity with

@@ -1,4 +1,4 @@
-"""Stopping policies (DESIGN.md §3.2), one per file, and the registry that names them."""
+"""Stopping policies (docs/engine.md, "Policies and shared state"), one per file, and the registry that names them."""
 
 from __future__ import annotations
 

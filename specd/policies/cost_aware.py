@@ -1,4 +1,4 @@
-"""cost-aware: keep drafting only while the expected gain is positive (DESIGN.md §3.6).
+"""cost-aware: keep drafting only while the expected gain is positive (docs/engine.md).
 
 After each drafted token the policy knows
   - a_i, the calibrated probability that draft token i is accepted given that tokens 1..i-1
@@ -63,9 +63,8 @@ def ngram_bin(match_len: int, index: int, retrieved: bool = False) -> str:
 
 def vote_class(votes: int, support: float) -> int:
     """How settled an n-gram token is: 0 most of the occurrences go on differently, 1 a
-    majority, 2 the only occurrence, 3 a few agreeing ones, 4 many. On MT-bench's greedy answers
-    (first drafted tokens from the datastore, match lengths 3-5) that splits 12-17% acceptance
-    from 60-84%."""
+    majority, 2 the only occurrence, 3 a few agreeing ones, 4 many. The classes split rarely
+    accepted tokens from mostly accepted ones (docs/engine.md, "The cost-aware policy")."""
     if support < 0.5:
         return 0
     if support < 1.0:
@@ -78,9 +77,8 @@ NOISE_EDGES = (0.1, 0.3, 0.7, 1.5)  # race-noise classes (Exp(1) draws: 10%, 26%
 
 def noise_class(noise: float) -> int:
     """How the seeded race favours the token (0: strongly, 4: against it). Coupled sampling
-    draws argmax p / E, so a small E(x) makes x a likely winner whatever p(x) is: on MT-bench at
-    T = 1, first drafted tokens from the datastore were accepted 30% of the time at E < 0.1 and
-    5% at E > 3."""
+    draws argmax p / E, so a small E(x) makes x a likely winner whatever p(x) is, and acceptance
+    falls steeply with E (docs/engine.md, "Seeded sampling")."""
     return sum(noise >= edge for edge in NOISE_EDGES)
 
 

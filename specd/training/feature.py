@@ -8,8 +8,8 @@ targets at once, as in EAGLE:
     so that the output can stand in for f_{t+1} when drafting past the verified prefix.
 With `unroll` = 1 the head reads the target's true features everywhere (teacher forcing) and
 learns only the first token drafted after a verified prefix. Past that token a session feeds
-the head its own outputs, which it never saw in training: on the H100 the first token agreed
-with the target 33% of the time and a window of 5 accepted 9% of its tokens (docs/engine.md).
+the head its own outputs, which it never saw in training, and acceptance past the first token
+collapses (docs/engine.md measures it).
 `unroll` = D > 1 trains depths 1..D at once, as EAGLE-3's "training-time test": depth d's row t
 reads the head's own output of depth d - 1 at row t - 1 and attends exactly as a session does
 (`FeatureDrafter.unrolled`), every row weighted alike, gradients flowing through the stand-ins.

@@ -19,7 +19,7 @@ def test_generated_code_is_current(tmp_path):
 
 
 def test_every_rpc_and_field_is_commented():
-    """DESIGN.md §4: every rpc and field of the contract carries a comment."""
+    """docs/services.md, "The protocol": every rpc and field of the contract carries a comment."""
     root = Path(__file__).resolve().parents[2] / "protos"
     for proto in root.rglob("*.proto"):
         lines = proto.read_text().splitlines()

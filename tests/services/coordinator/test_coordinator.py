@@ -1,6 +1,6 @@
 """The coordinator over real draft and target gRPC services on loopback (tiny models):
 greedy output is token-identical to the target alone for every policy, drafter and PEARL
-setting; failures of either service behave as DESIGN.md §1 says; a client that goes away
+setting; failures of either service behave as docs/services.md, "Failures", says; a client that goes away
 frees both sessions; concurrent requests share target forwards."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The feature hand-off across the services (EAGLE-style drafter, DESIGN.md §3.6): the target
+"""The feature hand-off across the services (EAGLE-style drafter, docs/engine.md): the target
 returns the hidden states of committed positions, the coordinator passes them to the draft
 service, whose feature drafter drafts from them. Greedy output stays the target's; in the
 sequential mode the drafts are exactly the in-process engine's, which read the same features."""

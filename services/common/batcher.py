@@ -1,4 +1,5 @@
-"""Verification of concurrent sessions in one forward pass.
+"""Steps of concurrent sessions in one forward pass: the target's verifications, and the draft
+service's draft steps of model drafters.
 
 Sessions submit jobs (new ids after their cache, how many logits they need); one worker
 takes every job queued while the previous forward ran and runs them as one batch. A session
@@ -112,7 +113,7 @@ def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-class VerifyBatcher:
+class StepBatcher:
     def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
                  on_batch: Callable[[int, int, list[float]], None] | None = None, gather: float = 0.5):
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size

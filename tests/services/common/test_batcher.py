@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.target.batcher import VerifyBatcher
+from services.common.batcher import StepBatcher
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
 
     async def main():
         executor = ThreadPoolExecutor(1)
-        batcher = VerifyBatcher(pooled.model, executor, 8, lambda b, tokens, waits: sizes.append(b), gather)
+        batcher = StepBatcher(pooled.model, executor, 8, lambda b, tokens, waits: sizes.append(b), gather)
         a, b = pooled.session(), pooled.session()
         for s in (a, b):
             s.extend([3, 4, 5], 1)
