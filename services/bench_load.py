@@ -20,6 +20,11 @@ sees), against services it starts itself (four `specd serve` processes on loopba
   --slo-ttft-ms and --slo-tpot-ms), refusals (429/503, with whether Retry-After came), errors,
   draft fallbacks, the per-request speedup against `none` at the same level, and for greedy
   runs whether every answer equals the `none` answer to the same prompt.
+- `--long-prompt-tokens N`: at each closed-loop level one more request, with a prompt of about
+  N tokens, arrives with the clients; its TTFT is reported apart (`long_ttft_ms`) and the
+  clients' TTFT shows what its prefill cost them.
+- Refused requests: how long the refusal took (`refused_ms`). When the services run here, the
+  resident memory of each process (MB) after the warm-up and after each level (`memory_mb`).
 
 Writes results.json, report.md and throughput.png / latency.png under --out.
 """
@@ -62,6 +67,9 @@ def add_command(sub) -> None:
     b.add_argument("--target-model", default="embedded")
     b.add_argument("--target-flags", default="", help="extra `specd serve target` flags, e.g. '--kv-slots 0'")
     b.add_argument("--no-overlap", action="store_true", help="PEARL off (services started here)")
+    b.add_argument("--long-prompt-tokens", type=int, default=0,
+                   help="closed-loop levels: one more request with a prompt of about this many tokens "
+                        "arrives with the clients (0: none)")
     b.add_argument("--out", type=Path, default=Path("bench-load-out"))
     b.set_defaults(func=cmd_bench_load)
 
@@ -84,6 +92,8 @@ class Result:
     text: str = ""
     chunk_gaps: list[float] = field(default_factory=list)
     fallback: bool = False
+    long: bool = False  # the --long-prompt-tokens request
+    prompt_tokens: int = 0
 
 
 def request_body(mode: str, messages: list[dict], args) -> dict:
@@ -112,6 +122,7 @@ async def one_request(client, url: str, body: dict, result: Result, t0: float) -
             if r.status_code != 200:
                 result.retry_after = "retry-after" in r.headers
                 result.error = (await r.aread()).decode(errors="replace")[:300]
+                result.e2e = time.perf_counter() - sent
                 return result
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -132,6 +143,7 @@ async def one_request(client, url: str, body: dict, result: Result, t0: float) -
                         pieces.append(text)
                 if chunk.get("usage"):
                     result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                 stats = chunk.get("spec_stats") or {}
                 result.fallback = result.fallback or bool(stats.get("fallback"))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -141,8 +153,8 @@ async def one_request(client, url: str, body: dict, result: Result, t0: float) -
     return result
 
 
-async def closed_loop(client, url: str, bodies: list[dict], mode: str, clients: int, repeat: int
-                      ) -> tuple[list[Result], float]:
+async def closed_loop(client, url: str, bodies: list[dict], mode: str, clients: int, repeat: int,
+                      long_body: dict | None = None) -> tuple[list[Result], float]:
     queue = list(enumerate(bodies))
     results: list[Result] = []
     t0 = time.perf_counter()
@@ -152,8 +164,26 @@ async def closed_loop(client, url: str, bodies: list[dict], mode: str, clients: 
             i, body = queue.pop(0)
             results.append(await one_request(client, url, body, Result(i, mode, f"c{clients}", repeat, 0.0), t0))
 
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    async def long_request():
+        result = Result(LONG_PROMPT, mode, f"c{clients}", repeat, 0.0, long=True)
+        results.append(await one_request(client, url, long_body, result, t0))
+
+    extra = [long_request()] if long_body is not None else []
+    await asyncio.gather(*(worker() for _ in range(clients)), *extra)
     return results, time.perf_counter() - t0
+
+
+LONG_PROMPT = -2  # the prompt index of the --long-prompt-tokens request
+
+
+def long_messages(questions: list[str], tokens: int) -> list[dict]:
+    """A user message of about `tokens` tokens (four characters a token): the instruction, then
+    the data set's questions, repeated as needed."""
+    text, i = "Answer the last of these questions briefly.\n", 0
+    while len(text) < 4 * tokens and questions:
+        text += questions[i % len(questions)] + "\n"
+        i += 1
+    return [{"role": "user", "content": text[:4 * tokens]}]
 
 
 async def open_loop(client, url: str, bodies: list[dict], mode: str, rate: float, repeat: int, seed: int
@@ -177,6 +207,8 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict:
 
 
 def summarize(results: list[Result], wall: float, args) -> dict:
+    long = [r for r in results if r.long]
+    results = [r for r in results if not r.long]
     ok = [r for r in results if r.status == 200 and not r.error]
     refused = [r for r in results if r.status in (429, 503)]
     tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
@@ -196,6 +228,9 @@ def summarize(results: list[Result], wall: float, args) -> dict:
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles([g for r in ok for g in r.chunk_gaps]),
         "e2e_ms": percentiles([r.e2e for r in ok]),
+        "refused_ms": percentiles([r.e2e for r in refused]),
+        **({"long_ttft_ms": round(1e3 * long[0].ttft, 2) if long[0].ttft is not None else None,
+            "long_prompt_tokens": long[0].prompt_tokens, "long_error": long[0].error} if long else {}),
     }
 
 
@@ -216,7 +251,8 @@ def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
     return out
 
 
-async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
+async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambda: {}) -> dict:
+    """memory(): resident MB of each service process started here ({} for --url)."""
     import httpx
 
     levels = [("c", int(c)) for c in _csv(args.concurrency)] + [("r", float(r)) for r in _csv(args.rates)]
@@ -226,6 +262,8 @@ async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         warm = {**request_body(modes[0], bodies[0]["messages"], args), "max_tokens": 4}
         await one_request(client, url, warm, Result(-1, "warm-up", "", 0, 0.0), time.perf_counter())
+        rss = {"start": memory()}
+        long = long_messages([b["messages"][0]["content"] for b in bodies], args.long_prompt_tokens)
         for kind, value in levels:
             level = f"{kind}{value:g}"
             for repeat in range(args.repeats):
@@ -233,7 +271,8 @@ async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
                 for mode in order:
                     mbodies = [request_body(mode, b["messages"], args) for b in bodies]
                     if kind == "c":
-                        results, wall = await closed_loop(client, url, mbodies, mode, value, repeat)
+                        long_body = request_body(mode, long, args) if args.long_prompt_tokens > 0 else None
+                        results, wall = await closed_loop(client, url, mbodies, mode, value, repeat, long_body)
                     else:
                         results, wall = await open_loop(client, url, mbodies, mode, value, repeat, seed=repeat)
                     cells.setdefault(level, {}).setdefault(mode, []).extend(results)
@@ -242,8 +281,9 @@ async def run(args, url: str, bodies: list[dict], modes: list[str]) -> dict:
                     print(f"{level} {mode} (repeat {repeat}): {s['output_tok_s']} tok/s, TTFT p95 "
                           f"{s['ttft_ms']['p95']} ms, e2e p95 {s['e2e_ms']['p95']} ms, refused {s['refused']}, "
                           f"errors {s['errors']}", flush=True)
+            rss[f"after {level}"] = memory()
     greedy = args.temperature == 0
-    return {"summary": summary, "compare": compare(cells, greedy),
+    return {"summary": summary, "compare": compare(cells, greedy), "memory_mb": rss,
             "requests": {lvl: {m: [asdict(r) for r in rs] for m, rs in by.items()} for lvl, by in cells.items()}}
 
 
@@ -265,6 +305,22 @@ def report(doc: dict) -> str:
                          f"{s['errors']} |")
     lines += ["", "Levels: cN = N clients in a closed loop; rX = Poisson arrivals at X requests/s. "
               "Several repeats are averaged (throughput) and their percentiles averaged."]
+    runs = [(level, mode, r) for level, by in doc["summary"].items() for mode, rs in by.items() for r in rs]
+    if any("long_ttft_ms" in r for _, _, r in runs):
+        lines += ["", "One long prompt among the clients (its TTFT apart; the clients' TTFT is in the table above):",
+                  "", "| level | mode | long prompt tokens | its TTFT ms | error |", "|---|---|---|---|---|"]
+        lines += [f"| {lvl} | {mode} | {r['long_prompt_tokens']} | {r['long_ttft_ms']} | {r['long_error'][:80]} |"
+                  for lvl, mode, r in runs if "long_ttft_ms" in r]
+    refusing = [(lvl, mode, r) for lvl, mode, r in runs if r["refused"]]
+    if refusing:
+        lines += ["", "Refusals: " + "; ".join(
+            f"{lvl} {mode}: {r['refused']} ({r['refused_with_retry_after']} with Retry-After), answered in "
+            f"p50 {r['refused_ms']['p50']} / p95 {r['refused_ms']['p95']} / max {r['refused_ms']['p99']} ms"
+            for lvl, mode, r in refusing) + "."]
+    memory = {when: by for when, by in (doc.get("memory_mb") or {}).items() if by}
+    if memory:
+        lines += ["", "Resident memory of the services (MB): " + "; ".join(
+            f"{when}: " + ", ".join(f"{name} {mb}" for name, mb in by.items()) for when, by in memory.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -310,6 +366,16 @@ def plots(doc: dict, out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(out / name)
     return paths
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
 
 
 def _csv(text: str) -> list[str]:
@@ -358,7 +424,7 @@ def cmd_bench_load(args) -> int:
             start_stack(plan, procs, log_dir, 600.0)
             url = f"http://127.0.0.1:{plan[-1][2]}"
             server = "specd services on loopback: " + "; ".join(f"{n} {' '.join(f)}" for n, f, _ in plan)
-        doc = asyncio.run(run(args, url, bodies, modes))
+        doc = asyncio.run(run(args, url, bodies, modes, lambda: {name: _rss_mb(p.pid) for name, p in procs.items()}))
     finally:
         _stop(procs)
     doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

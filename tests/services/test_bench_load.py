@@ -20,3 +20,16 @@ def test_percentiles_and_goodput():
     assert (s["completed"], s["refused"], s["refused_with_retry_after"], s["errors"]) == (2, 1, 1, 0)
     assert s["output_tok_s"] == 11.0 and s["goodput_rps"] == 0.5
     assert s["tpot_ms"]["p50"] == 100.0
+
+
+def test_the_long_prompt_is_reported_apart_and_refusals_with_their_latency():
+    client = bench_load.Result(0, "none", "c1", 0, 0.0, status=200, ttft=0.2, e2e=1.2, tokens=11)
+    long = bench_load.Result(bench_load.LONG_PROMPT, "none", "c1", 0, 0.0, status=200, ttft=3.0, e2e=4.0,
+                             tokens=11, long=True, prompt_tokens=3990)
+    refused = bench_load.Result(2, "none", "c1", 0, 0.0, status=503, retry_after=True, e2e=0.004)
+    s = bench_load.summarize([client, long, refused], 2.0, _args())
+    assert (s["completed"], s["output_tokens"], s["ttft_ms"]["p95"]) == (1, 11, 200.0)  # the long one apart
+    assert (s["long_ttft_ms"], s["long_prompt_tokens"]) == (3000.0, 3990)
+    assert s["refused_ms"]["p95"] == 4.0
+    messages = bench_load.long_messages(["What is a cache?", "Why?"], 100)
+    assert len(messages[0]["content"]) == 400 and "What is a cache?" in messages[0]["content"]
