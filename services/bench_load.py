@@ -57,6 +57,9 @@ def add_command(sub) -> None:
     b.add_argument("--modes", default="none,cost-aware", help="comma list: none, policy names, peer")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels ('' for none)")
     b.add_argument("--rates", default="", help="open-loop Poisson arrival rates, requests/s (comma list)")
+    b.add_argument("--duration", type=float, default=0.0,
+                   help="open loop: keep arrivals coming for this many seconds, the prompts in turn (0: each "
+                        "prompt once)")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     b.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
@@ -186,14 +189,17 @@ def long_messages(questions: list[str], tokens: int) -> list[dict]:
     return [{"role": "user", "content": text[:4 * tokens]}]
 
 
-async def open_loop(client, url: str, bodies: list[dict], mode: str, rate: float, repeat: int, seed: int
-                    ) -> tuple[list[Result], float]:
+async def open_loop(client, url: str, bodies: list[dict], mode: str, rate: float, repeat: int, seed: int,
+                    duration: float = 0.0) -> tuple[list[Result], float]:
+    """Poisson arrivals of every prompt once, or, for `duration` seconds, of the prompts in turn."""
     rng = random.Random(seed)
     t0 = time.perf_counter()
-    tasks = []
-    for i, body in enumerate(bodies):
-        tasks.append(asyncio.create_task(one_request(client, url, body, Result(i, mode, f"r{rate:g}", repeat, 0.0),
-                                                     t0)))
+    tasks, i = [], 0
+    while i < len(bodies) if duration <= 0 else time.perf_counter() - t0 < duration:
+        body = bodies[i % len(bodies)]
+        tasks.append(asyncio.create_task(one_request(client, url, body,
+                                                     Result(i % len(bodies), mode, f"r{rate:g}", repeat, 0.0), t0)))
+        i += 1
         await asyncio.sleep(rng.expovariate(rate))
     results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - t0
@@ -274,7 +280,8 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
                         long_body = request_body(mode, long, args) if args.long_prompt_tokens > 0 else None
                         results, wall = await closed_loop(client, url, mbodies, mode, value, repeat, long_body)
                     else:
-                        results, wall = await open_loop(client, url, mbodies, mode, value, repeat, seed=repeat)
+                        results, wall = await open_loop(client, url, mbodies, mode, value, repeat, seed=repeat,
+                                                        duration=args.duration)
                     cells.setdefault(level, {}).setdefault(mode, []).extend(results)
                     s = summarize(results, wall, args)
                     summary.setdefault(level, {}).setdefault(mode, []).append(s)

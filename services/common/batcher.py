@@ -8,9 +8,11 @@ sends the next window), so before the next forward the worker waits a moment for
 the last one, at most `gather` times that forward's duration: without the wait, sessions that
 arrive a millisecond late start a second forward and the batch splits in two for good (each
 half then runs while the other half travels). A lone session is never kept waiting, since the
-worker only waits for sessions it has answered and that have not come back yet. Sessions in the target's KV pool (specd.models.pool) run as one pooled
-forward that reads and writes their slots in place; other sessions are copied into a padded
-batch cache (specd.models.batch.batched_extend_hidden).
+worker only waits for sessions it has answered and that have not come back yet.
+
+Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
+slots in place; other sessions are copied into a padded batch cache
+(specd.models.batch.batched_extend_hidden).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 
   specd_draft_step_seconds                histogram: seconds to draft one token (one forward pass
                                           of the draft model; a lookup for ngram)
+  specd_draft_batch_size                  histogram: sessions per draft forward (model drafters over
+                                          a KV pool draft concurrent sessions' steps together)
   specd_draft_tokens_total{policy}        every token drafted, verified or not (PEARL drafts ahead,
                                           so some are discarded unverified)
   specd_draft_windows_total{policy, reason}
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metrics import STEP_BUCKETS, active_sessions, kv_cache_bytes
+from services.common.metrics import BATCH_BUCKETS, STEP_BUCKETS, active_sessions, kv_cache_bytes
 
 
 class DraftMetrics:
@@ -36,6 +38,8 @@ class DraftMetrics:
         kv_cache_bytes(registry, "draft", kv_bytes)
         self.step_s = Histogram("specd_draft_step_seconds", "seconds to draft one token", ["drafter"],
                                 buckets=STEP_BUCKETS, registry=registry).labels(drafter)
+        self.batch_size = Histogram("specd_draft_batch_size", "sessions per draft forward", ["drafter"],
+                                    buckets=BATCH_BUCKETS, registry=registry).labels(drafter)
         self.tokens = Counter("specd_draft_tokens", "tokens drafted, verified or not", ["drafter", "policy"],
                               registry=registry)
         self.windows = Counter("specd_draft_windows", "draft windows ended, by reason",

@@ -43,7 +43,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.executor = executor or compute_thread("draft")
         # Draft steps of concurrent sessions share forwards; a session comes back at once when its
         # window goes on, so the batcher never waits for one (gather 0).
-        self.batcher = StepBatcher(None, self.executor, max_batch_size, gather=0.0)
+        self.batcher = StepBatcher(None, self.executor, max_batch_size,
+                                   lambda sessions, tokens, waits: self.metrics.batch_size.observe(sessions), gather=0.0)
         self.runners: set[DraftRunner] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "draft")

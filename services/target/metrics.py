@@ -32,6 +32,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import (
+    BATCH_BUCKETS,
     MAX_LABELLED_WINDOW,
     STEP_BUCKETS,
     active_sessions,
@@ -39,7 +40,6 @@ from services.common.metrics import (
     kv_cache_bytes,
 )
 
-BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
