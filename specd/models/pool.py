@@ -73,6 +73,27 @@ class StepInputs:
     packed: torch.Tensor | None = None  # exact eager forwards of unequal rows: flat indices of the real queries
 
 
+def _madvise_dontneed():
+    """madvise(addr, length, MADV_DONTNEED) from the C library, or None where there is none."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return lambda addr, length: madvise(addr, length, 4)  # MADV_DONTNEED
+
+
+_MADVISE = _madvise_dontneed()
+_PAGE = 4096
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU from calloc'd memory (numpy's zeros), whose pages the kernel
     maps only when first written, so a pool costs memory for the positions sessions use, not
@@ -142,6 +163,7 @@ class KVPool:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest free slot
         self._lock = threading.Lock()
         self.lengths = [0] * slots
+        self.written = [0] * slots  # each slot's high-water mark: the positions whose pages are mapped
         self.graphs = None  # a specd.models.graphs.GraphRunner, when forwards are captured
 
     # slots ---------------------------------------------------------------------------------
@@ -163,11 +185,31 @@ class KVPool:
             return slot
 
     def release(self, slot: int) -> None:
+        """Give the slot back; on the CPU its written pages go back to the kernel at once."""
         with self._lock:
             assert 0 <= slot < self.num_slots and slot not in self._free, slot
+            self._discard(slot)
             self.lengths[slot] = 0
             self._free.append(slot)
             self._free.sort(reverse=True)
+
+    def _discard(self, slot: int) -> None:
+        """Return the pages of the slot's written positions to the kernel (MADV_DONTNEED on the
+        pool's anonymous mapping: they read as zeros again and cost no memory until written).
+        A CPU pool's memory then follows its open sessions, not every session it ever held."""
+        written, self.written[slot] = self.written[slot], 0
+        if self.device.type != "cpu" or written == 0 or _MADVISE is None:
+            return
+        layers, _, heads, _, dim = self.k.shape
+        run = written * dim * self.k.element_size()  # one (layer, head)'s written positions, contiguous
+        for t in (self.k, self.v):
+            for layer in range(layers):
+                for head in range(heads):
+                    start = t[layer, slot, head].data_ptr()
+                    first = -(-start // _PAGE) * _PAGE  # whole pages only: neighbours share the edges
+                    last = (start + run) // _PAGE * _PAGE
+                    if last > first:
+                        _MADVISE(first, last - first)
 
     def bytes_per_token(self) -> int:
         layers, _, heads, _, dim = self.k.shape
@@ -202,6 +244,7 @@ class KVPool:
             hidden = self.hidden(self.inputs(rows, len(rows), width, span))
         for r in rows:
             self.lengths[r.slot] = r.start + len(r.ids)
+            self.written[r.slot] = max(self.written[r.slot], self.lengths[r.slot])
         # Only the wanted rows go through the LM head (on a CPU the head is a large part of a step).
         picks = [b * width + len(r.ids) - r.num_logits + j for b, r in enumerate(rows) for j in range(r.num_logits)]
         flat = hidden.reshape(-1, hidden.shape[-1])

@@ -169,20 +169,41 @@ def test_buckets_take_the_smallest_that_holds_a_forward():
     assert pick_bucket(tables, (1, 18, 10)) is None
 
 
-def test_a_cpu_pool_costs_the_memory_its_sessions_write(lean):
+def test_a_cpu_pool_costs_the_memory_its_sessions_write(lean, tiny_target):
     """Slots are allocated lazily by the kernel: opening a large pool costs (almost) nothing,
-    and a session costs about the positions it wrote, not its slot's whole length."""
+    a session costs about the positions it wrote, not its slot's whole length, and closing it
+    gives those pages back."""
     def resident() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
 
-    before = resident()
+    lean.session().extend(_tokens(40, 9), 1)  # the lean forward's own set-up, before measuring
+    opened = resident()
     pool = lean.use_pool(64, 4096)
     whole = 2 * pool.k.numel() * pool.k.element_size()
+    assert resident() - opened < whole / 20
+    warm = lean.session()  # the first forward's own allocations, before measuring
+    warm.extend(_tokens(40, 9), 1)
+    warm.close()
+    before = resident()
     s = lean.session()
     s.extend(_tokens(40, 9), 1)
     assert resident() - before < whole / 20  # one slot of 64, 40 of its 4,096 positions
     s.close()
+    # Long sessions' pages go back to the kernel when they close: memory follows open sessions.
+    full = [lean.session() for _ in range(16)]
+    for session in full:
+        session.extend(_tokens(pool.max_len - 8, 10), 1)
+    grown = resident()
+    written = 16 * (pool.max_len - 8) * pool.bytes_per_token()
+    assert grown - before > written / 2
+    for session in full:
+        session.close()
+    assert grown - resident() > written / 2
+    again = lean.session()  # the slot reads as zeros and works as before
+    r = replace(tiny_target, forward="lean").session()  # growing caches
+    torch.testing.assert_close(again.extend(_tokens(30, 11), 2)[0], r.extend(_tokens(30, 11), 2)[0], **TOL)
+    again.close()
 
 
 @pytest.mark.parametrize("drafter, spec", [
