@@ -71,6 +71,9 @@ class StepInputs:
     slot_run: int | None = None  # eager forwards only: rows are slots slot_run, slot_run + 1, ... (no gather)
     write_run: tuple[int, int, int] | None = None  # eager, one unpadded row: (slot, start, n), written by slices
     packed: torch.Tensor | None = None  # exact eager forwards of unequal rows: flat indices of the real queries
+    # exact eager forwards whose rows' contexts differ widely: (rows, key span, the slot of a lone row)
+    # groups, each attending alone (a lone row reads its slot as a view, without a gather)
+    groups: tuple[tuple[torch.Tensor, int, int | None], ...] | None = None
 
 
 def _madvise_dontneed():
@@ -298,6 +301,8 @@ class KVPool:
         if not self.fused and len(rows) == batch and any(len(r.ids) != width for r in rows):
             real = [b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]
             x = replace(x, packed=torch.tensor(real, device=self.device))
+        if not self.fused and len(rows) == batch > 1:
+            x = replace(x, groups=self._span_groups(rows))
         trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
         if not trees:
             return x
@@ -307,6 +312,24 @@ class KVPool:
             mask[b, :n] = False
             mask[b, :n, :cols] = r.mask.to(self.device)
         return replace(x, tree_mask=mask[:, None])
+
+    def _span_groups(self, rows: Sequence[PoolRow]) -> tuple[tuple[torch.Tensor, int, int | None], ...] | None:
+        """Rows whose key spans differ more than twofold attend in separate groups, each over its
+        own longest span: one long context in a batch would otherwise make every row gather and
+        attend over its length. None when one group holds every row."""
+        spans = [r.start + len(r.ids) for r in rows]
+        order = sorted(range(len(rows)), key=spans.__getitem__)
+        groups, current = [], [order[0]]
+        for b in order[1:]:
+            if spans[b] > 2 * spans[current[0]]:
+                groups.append(current)
+                current = []
+            current.append(b)
+        groups.append(current)
+        if len(groups) == 1:
+            return None
+        return tuple((torch.tensor(g, device=self.device), max(spans[b] for b in g),
+                      rows[g[0]].slot if len(g) == 1 else None) for g in groups)
 
     def hidden(self, x: StepInputs) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
@@ -347,14 +370,28 @@ class KVPool:
             else:
                 pool_k[rows, :, x.write_pos] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (slot, column)
                 pool_v[rows, :, x.write_pos] = v
-            if x.slot_run is not None:
-                run = slice(x.slot_run, x.slot_run + batch)
-                keys, values = pool_k[run, :, :span], pool_v[run, :, :span]
+            if x.groups is not None:  # contexts of very different lengths: each group over its own span
+                out = q.new_empty(q.shape)
+                for members, group_span, lone in x.groups:
+                    if lone is not None:
+                        keys, values = pool_k[lone:lone + 1, :, :group_span], pool_v[lone:lone + 1, :, :group_span]
+                    else:
+                        slots = x.slots.index_select(0, members)
+                        keys = pool_k[:, :, :group_span].index_select(0, slots)
+                        values = pool_v[:, :, :group_span].index_select(0, slots)
+                    out[members] = F.scaled_dot_product_attention(
+                        q.index_select(0, members), keys, values,
+                        attn_mask=mask.index_select(0, members)[..., :group_span], scale=lean.scaling,
+                        enable_gqa=lean.groups > 1)
             else:
-                keys = pool_k[:, :, :span].index_select(0, x.slots)
-                values = pool_v[:, :, :span].index_select(0, x.slots)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
-                                                 enable_gqa=lean.groups > 1)
+                if x.slot_run is not None:
+                    run = slice(x.slot_run, x.slot_run + batch)
+                    keys, values = pool_k[run, :, :span], pool_v[run, :, :span]
+                else:
+                    keys = pool_k[:, :, :span].index_select(0, x.slots)
+                    values = pool_v[:, :, :span].index_select(0, x.slots)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
+                                                     enable_gqa=lean.groups > 1)
             out = out.transpose(1, 2).reshape(batch, width, lean.q_size)
             h = h + o_proj(out if real is None else out.reshape(-1, lean.q_size)[real][None])
             a = lean._rms(norm_post, h)

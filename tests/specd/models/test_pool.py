@@ -251,3 +251,20 @@ def test_rows_of_unequal_length_run_packed_on_the_exact_path(pooled):
         packed = pool.hidden(x)
         for b, r in enumerate(rows):
             torch.testing.assert_close(packed[b, :len(r.ids)], padded[b, :len(r.ids)], **TOL)
+
+
+def test_rows_of_very_different_contexts_attend_in_groups(pooled, lean):
+    """One long context among short ones: the short rows attend together over their own span,
+    the long one alone over its slot; each row's logits are its own forward's."""
+    prefixes, new = [_tokens(5, 1), _tokens(7, 2), _tokens(60, 3)], [[9], [10, 11], [12, 13, 14]]
+    sessions = _prefilled(pooled, prefixes)
+    rows = [s.row(ids, len(ids)) for s, ids in zip(sessions, new)]
+    x = pooled.pool.inputs(rows, 3, 3, pooled.pool.span(rows))
+    if not pooled.pool.fused:
+        assert [(m.tolist(), span, lone) for m, span, lone in x.groups] == [
+            ([0, 1], 9, None), ([2], 63, sessions[2].slot)]
+    got = pooled_extend(sessions, new, [len(ids) for ids in new])
+    for (logits, _), r, ids in zip(got, _prefilled(lean, prefixes), new):
+        want = r.extend(ids, len(ids))[0]
+        torch.testing.assert_close(logits, want, **TOL)
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
