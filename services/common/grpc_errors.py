@@ -37,7 +37,12 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def from_rpc_error(e: grpc.aio.AioRpcError, service: str) -> SpecdError:
     """A failed call to another service as the core's typed error."""
-    code, details = e.code(), e.details() or ""
+    return status_error(e.code(), e.details() or "", service)
+
+
+def status_error(code: grpc.StatusCode, details: str, service: str) -> SpecdError:
+    """A call's final status (not OK) as the core's typed error; only the status details are
+    kept, never the call's debug string (it carries internal addresses)."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, sep, message = details.partition(": ")
         return InvalidRequest(field, message) if sep else InvalidRequest("request", details)

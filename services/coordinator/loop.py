@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.convert import sampling_to_proto
-from services.common.grpc_errors import from_rpc_error
+from services.common.grpc_errors import from_rpc_error, status_error
 from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
@@ -215,8 +215,19 @@ class RequestLoop:
     async def _write_target(self, msg) -> None:
         try:
             await self.target_call.write(msg)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-            raise Unavailable(f"target service: {e}") from None
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "target") from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError):
+            # The call has ended (a refused session: every KV slot taken): its status says why.
+            raise await self._target_ended() from None
+
+    async def _target_ended(self) -> Exception:
+        try:
+            code = await asyncio.wait_for(self.target_call.code(), 5.0)
+            details = await self.target_call.details()
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
+            return Unavailable(f"target service: the session ended ({type(e).__name__})")
+        return status_error(code, details or "", "target")
 
     async def _write_draft(self, msg) -> None:
         if self.stats.fallback:

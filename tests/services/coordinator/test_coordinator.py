@@ -292,3 +292,104 @@ def test_a_silent_draft_service_stalls_into_a_fallback(chat_pair, service_loop, 
     assert ids == reference(chat_pair[0], PROMPTS[0], 8)
     assert finish.spec_stats["fallback"] and finish.spec_stats["fallback_kind"] == "stalled"
     assert "nothing drafted" in finish.spec_stats["fallback_reason"]
+
+
+def test_a_session_the_target_refuses_is_overloaded_whatever_the_race(service_loop, chat_pair, hf_draft_service):
+    """A target with one KV slot and four concurrent requests: each refused one fails with
+    Overloaded (the gateway's 503 with Retry-After) whether the refusal reaches the coordinator
+    through the stream or through its next write, never as an internal error or with the gRPC
+    call's debug string; the others answer as the target alone."""
+    from dataclasses import replace
+
+    from services.common.settings import TargetSettings
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from specd.errors import Overloaded
+    from tests.services.conftest import Service
+
+    target = replace(chat_pair[0])
+    target.use_pool(1, 256)
+    servicer = TargetServicer(target)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+
+    async def run():
+        coord = Coordinator(CoordinatorConfig(svc.address, hf_draft_service.address), AsyncMemoryStateStore())
+        await coord.connect()
+
+        async def one():
+            request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=24),
+                                      spec=SpecParams("constant"), overlap=True)
+            ids = []
+            try:
+                async for ev in coord.generate(request):
+                    ids += [] if isinstance(ev, FinishEvent) else list(ev.token_ids)
+            except Exception as e:  # noqa: BLE001 - the test looks at what it is
+                return e
+            return ids
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(4)))
+        finally:
+            await coord.close()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        svc.stop()
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and len(refused) < 4
+    for e in refused:
+        assert isinstance(e, Overloaded), repr(e)
+        assert "AioRpcError" not in str(e) and "ipv4" not in str(e), str(e)
+    for ids in results:
+        if not isinstance(ids, Exception):
+            assert ids == reference(chat_pair[0], PROMPTS[0], 24)
+
+
+def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair):
+    """The race the test above cannot force: the target refuses a session (every KV slot taken)
+    and the coordinator's next write finds the call ended. The write raises the call's own
+    status as a typed error (Overloaded), not an internal InvalidStateError."""
+    from dataclasses import replace
+
+    from services.common.server import channel
+    from services.common.settings import TargetSettings
+    from services.coordinator.loop import RequestLoop
+    from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from specd.errors import Overloaded
+    from tests.services.conftest import Service
+
+    target = replace(chat_pair[0])
+    target.use_pool(1, 256)
+    servicer = TargetServicer(target)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    open_msg = target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=[5, 9, 14]))
+    verify = target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1))
+
+    async def run():
+        async with channel(svc.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            held = stub.Session(timeout=20)
+            await held.write(open_msg)
+            await held.write(verify)
+            await held.read()  # served: the one slot is taken
+            refused = stub.Session(timeout=20)
+            await refused.write(open_msg)
+            code = await refused.code()  # the call has ended
+            loop = object.__new__(RequestLoop)
+            loop.target_call = refused
+            with pytest.raises(Overloaded, match="KV slots"):
+                await loop._write_target(verify)
+            held.cancel()
+            return code
+
+    try:
+        import grpc
+
+        assert asyncio.run(run()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        svc.stop()
