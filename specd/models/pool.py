@@ -98,26 +98,27 @@ _PAGE = 4096
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on the CPU from calloc'd memory (numpy's zeros), whose pages the kernel
-    maps only when first written, so a pool costs memory for the positions sessions use, not
-    for every slot's whole length (torch.zeros writes every page at once)."""
+    """A zero tensor; on the CPU in an anonymous memory mapping of its own, whose pages the kernel
+    maps only when first written (and takes back on MADV_DONTNEED, KVPool._discard), so a pool
+    costs memory for the positions open sessions use, not for every slot's whole length
+    (torch.zeros writes every page at once; a calloc'd block may come from already resident heap)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
     import numpy as np
 
-    probe = torch.empty((), dtype=dtype)
-    if probe.element_size() not in (2, 4, 8):
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in (1, 2, 4, 8):
         return torch.zeros(shape, dtype=dtype)
-    # numpy asks the kernel for huge pages on large arrays, and one write would then map 2 MB.
-    madvise = getattr(getattr(np, "_core", None), "multiarray", None)
-    madvise = getattr(madvise, "_set_madvise_hugepage", None)
-    before = madvise(False) if madvise is not None else None
-    try:
-        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[probe.element_size()])
-    finally:
-        if madvise is not None:
-            madvise(before)
-    return torch.from_numpy(raw).view(dtype)  # the same zero bits, reinterpreted
+    count = 1
+    for n in shape:
+        count *= n
+    mapping = mmap.mmap(-1, max(count * size, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # one write must map one page, not 2 MB
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    raw = np.frombuffer(mapping, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[size], count=count)
+    return torch.from_numpy(raw.reshape(shape)).view(dtype)  # zero bits, reinterpreted; keeps the mapping alive
 
 
 def unpack(flat: torch.Tensor, batch: int, width: int, span: int) -> StepInputs:

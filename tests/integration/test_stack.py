@@ -3,8 +3,9 @@ loopback, driven over HTTP like a user would: greedy answers through gateway -> 
 -> draft/target equal the embedded model's own target-only decoding, every process exports
 its Prometheus series with consistent values, a draft service killed mid-stream falls back
 to the target without changing the answer (and is used again once restarted on the same
-port), and the openai SDK parses the gateway's stream. The stack itself is
-tests/integration/conftest.py's."""
+port), the openai SDK parses the gateway's stream, and with an early-exit draft eight
+concurrent streams share draft forwards and still answer as the target alone. The stack itself
+is tests/integration/conftest.py's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import os
 import signal
 import time
 
+import asyncio
+
 import httpx
 import pytest
+
+from services import bench_load
 
 from tests.integration.conftest import HTTP_TIMEOUT_S, MAX_TOKENS, MESSAGES, Stack
 
@@ -230,3 +235,57 @@ def test_openai_sdk_streams_with_spec_stats(stack, reference):
     assert last.usage is not None
     assert last.usage.completion_tokens == len(reference(n)[0]) == stats["new_tokens"]
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+# -- 5. a model drafter under load (last: it restarts the draft) -------------------------------
+
+def _swap_draft(stack, flags: list[str]) -> None:
+    stack.stop("draft")
+    stack.flags["draft"] = flags
+    stack.start("draft")
+    stack.wait_healthy("draft", timeout_s=120)
+
+
+def _draft_batches(stack) -> tuple[float, float]:
+    """(sessions summed over draft forwards, forwards) from the draft's /metrics."""
+    values = {}
+    for line in httpx.get(stack.metrics_url("draft"), timeout=10).text.splitlines():
+        for name in ("specd_draft_batch_size_sum", "specd_draft_batch_size_count"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("specd_draft_batch_size_sum", 0.0), values.get("specd_draft_batch_size_count", 0.0)
+
+
+def test_eight_streams_with_a_model_drafter_share_draft_forwards_and_answer_as_the_target(stack, reference):
+    """The early-exit drafter (PEARL on) with 8 concurrent streams: the draft service drafts their
+    steps in shared forwards, and every answer equals the target alone's. Last in this file: it
+    restarts the draft (twice), which resets the draft's counters that the metrics test above
+    compares with the coordinator's."""
+    ngram = list(stack.flags["draft"])
+    metrics = ngram[ngram.index("--metrics-port"):ngram.index("--metrics-port") + 2]
+    _swap_draft(stack, ["--drafter", "early-exit", "--target-model", "embedded", "--threads", "1", *metrics])
+    try:
+        others = ["Name three uses of a queue.", "What is a prime number?", "Write one sentence about rain."]
+        prompts = [MESSAGES] + [[{"role": "user", "content": q}] for q in others]
+        bodies = [{"messages": prompts[i % len(prompts)]} for i in range(8)]
+        doc = asyncio.run(bench_load.run(_load_args(), stack.url, bodies,
+                                         ["none", "constant", "cost-aware"]))
+        sessions, forwards = _draft_batches(stack)
+    finally:
+        _swap_draft(stack, ngram)
+    for mode in ("none", "constant", "cost-aware"):
+        s = doc["summary"]["c8"][mode][0]
+        assert s["completed"] == 8 and s["errors"] == 0 and s["fallbacks"] == 0, s
+    answers = {r["prompt"]: r["text"] for r in doc["requests"]["c8"]["constant"]}
+    assert answers[0] == reference(12)[1]
+    for mode in ("constant", "cost-aware"):
+        assert doc["compare"]["c8"][mode]["identical_to_none"] == "8/8"
+    assert forwards > 0 and sessions > forwards  # some draft forwards carried several sessions
+
+
+def _load_args():
+    import argparse
+
+    return argparse.Namespace(model="specd", max_tokens=12, temperature=0.0, seed=None, concurrency="8", rates="",
+                              repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0, long_prompt_tokens=0,
+                              duration=0.0)
