@@ -65,6 +65,10 @@ class LoopStats(GenerationStats):
     batch_sizes: list[int] = field(default_factory=list)
     target_prefill_s: float = 0.0  # the target's prompt prefill
     target_decode_s_per_token: float = 0.0  # the target's measured cost of a plain decoding step
+    # what target-only decoding would have cost a token at the load each verification saw (a plain
+    # step in a forward of that many sessions), averaged over the tokens emitted
+    target_only_s_per_token: float = 0.0
+    _target_only: list[float] = field(default_factory=lambda: [0.0, 0.0])  # seconds, tokens
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
@@ -74,7 +78,8 @@ class LoopStats(GenerationStats):
                 "continuations_kept": self.continuations_kept,
                 "max_verify_batch": max(self.batch_sizes, default=0),
                 "target_prefill_s": round(self.target_prefill_s, 6),
-                "target_decode_s_per_token": round(self.target_decode_s_per_token, 6)}
+                "target_decode_s_per_token": round(self.target_decode_s_per_token, 6),
+                "target_only_s_per_token": round(self.target_only_s_per_token, 6)}
 
 
 @dataclass(frozen=True)
@@ -364,12 +369,24 @@ class RequestLoop:
         s.batch_sizes.append(v.batch_size)
         s.target_prefill_s += v.prefill_seconds
         s.target_decode_s_per_token = v.decode_seconds_per_token
+        s._target_only[0] += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
+        s._target_only[1] += n + 1
+        s.target_only_s_per_token = s._target_only[0] / s._target_only[1]
         if k:
             s.drafted += k
             s.accepted += n
             s.relaxed_accepted += n - min(n, v.num_strict)
             s.draft_lengths.append(k)
             s.accepted_lengths.append(n)
+
+    def _plain_step_at(self, sessions: int, decode_s: float) -> float:
+        """A plain decoding step's seconds in a forward of `sessions` sessions: the target's
+        batched cost surface, scaled to its current decode cost (decode_s when it has none)."""
+        surface = self.cfg.batch_seconds
+        if not surface or sessions <= 1 or surface[0] <= 0:
+            return decode_s
+        at = surface[min(sessions, len(surface)) - 1]
+        return at * (decode_s / surface[0]) if decode_s > 0 else at
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append verified tokens, honouring EOS and the length limit exactly (as the engine)."""

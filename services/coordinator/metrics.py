@@ -19,7 +19,10 @@ Counters (cumulative):
   specd_target_only_seconds_total         seconds target-only decoding would have taken for the same
                                           tokens: the target's prefill time plus emitted tokens times
                                           its measured per-token decode cost (kept current by the
-                                          target service, services.target.metrics)
+                                          target service, services.target.metrics) at the load each
+                                          verification saw (a plain step in a forward of that many
+                                          sessions, from the target's batched cost surface), so the
+                                          speedup and its alert compare like with like under load
   specd_draft_wait_seconds_total          of the generation seconds, those spent waiting on the draft
                                           alone (nothing to verify yet)
   specd_verify_wait_seconds_total         ... and those with a verification in flight
@@ -179,7 +182,7 @@ class CoordinatorMetrics:
             self.fallbacks.labels(*labels, reason).inc(1 if reason == kind else 0)
         self.draft_wait_s.labels(*labels).inc(s.get("draft_wait_s", 0.0))
         self.verify_wait_s.labels(*labels).inc(s.get("verify_wait_s", 0.0))
-        decode_s = s.get("target_decode_s_per_token")
+        decode_s = s.get("target_only_s_per_token") or s.get("target_decode_s_per_token")
         if decode_s:
             self.target_only_s.labels(*labels).inc(s.get("target_prefill_s", 0.0) + emitted * decode_s)
         draft_length, accepted_length = self.draft_length.labels(*labels), self.accepted_length.labels(*labels)
