@@ -1,4 +1,4 @@
-"""DVI: drafters that learn online from verification (Draft, Verify & Improve; docs/engine.md, "Online learning (DVI)").
+"""DVI: drafters that learn online from verification (Draft, Verify & Improve; docs/engine.md).
 
 The draft head of an early-exit or feature drafter gets a LoRA adapter (`HeadLoRA`): the
 logits of the rows it computes become  h W^T + s (h A^T) B^T,  with W the target's frozen LM

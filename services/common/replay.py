@@ -1,4 +1,4 @@
-"""DVI in Redis (docs/engine.md, "Online learning (DVI)"): the replay stream draft services log judged draft positions
+"""DVI in Redis (docs/engine.md): the replay stream draft services log judged draft positions
 to, and the adapter versions the trainer publishes and draft services hot-swap.
 
 Keys, per drafter (its name, which names its weights):

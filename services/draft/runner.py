@@ -1,7 +1,7 @@
 """One drafting session: windows of draft tokens proposed ahead of the committed sequence.
 
 The runner drafts token after token on its own guesses, asks the stopping policy after
-each one (docs/engine.md, "Policies and shared state") and publishes every token the moment it exists. A window ends
+each one (docs/engine.md) and publishes every token the moment it exists. A window ends
 when the policy says stop (or at the cap, the length limit, or when the drafter has no
 proposal). With `lookahead` 1 it then waits for the window's verification (sequential
 speculative decoding); with 2 it goes on drafting the next window on top of the current one
@@ -139,8 +139,10 @@ class DraftRunner:
             self.features.clear()
             epoch, seq = self.epoch, list(self.seq)
             t0 = time.perf_counter()
-            step = self.batcher and self.session.batch_step(seq, self.sampling, self.generator, self.want_hidden)
-            if step:
+            step = None
+            if self.batcher is not None:  # a step that can share a forward with other sessions'
+                step = self.session.batch_step(seq, self.sampling, self.generator, self.want_hidden)
+            if step is not None:
                 d, _ = await self.batcher.submit(step.kv, step.ids, 1, step.finish, self.want_hidden)
             else:
                 d = await loop.run_in_executor(self.executor, self._next, seq)

@@ -1,4 +1,4 @@
-"""Drafters (docs/engine.md, "Drafters"): hf, early-exit, ngram, retrieval, feature and hybrid, and the registry that
+"""Drafters (docs/engine.md): hf, early-exit, ngram, retrieval, feature and hybrid, and the registry that
 builds them."""
 
 from __future__ import annotations

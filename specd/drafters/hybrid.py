@@ -4,8 +4,9 @@ as one draft tree (specd.tree).
 The two kinds of drafter are right at different places: at temperature 1 the union of the
 positions where either is right is much larger than either alone (docs/benchmarks.md).
 Choosing one proposal per round gets little of that union (no cheap signal says which one is
-right), so the hybrid keeps both: the policy drafts the model's chain as usual, and the lookup drafter's own proposal
-(the continuation it would have drafted alone), then its alternatives, become side branches.
+right), so the hybrid keeps both: the policy drafts the model's chain as usual, and the lookup
+drafter's own proposal (the continuation it would have drafted alone), then its alternatives,
+become side branches.
 Verification walks down whichever the target agrees with. The engine sizes the side branches
 by what they have added so far against the cost curve (`_tree_budget`), so a steep
 verification cost keeps them short.

@@ -25,6 +25,7 @@ zero weight.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -94,7 +95,7 @@ def _madvise_dontneed():
 
 
 _MADVISE = _madvise_dontneed()
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -104,8 +105,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     (torch.zeros writes every page at once; a calloc'd block may come from already resident heap)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import mmap
-
     import numpy as np
 
     size = torch.empty((), dtype=dtype).element_size()

@@ -1,4 +1,4 @@
-"""Stopping policies (docs/engine.md, "Policies and shared state"), one per file, and the registry that names them."""
+"""Stopping policies (docs/engine.md), one per file, and the registry that names them."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A policy lives for one request. It is built from its hyperparameters (a frozen dataclass,
 overridable per call by name) and the shared adaptive state loaded from the state store;
-`state()` returns what must be saved back (docs/engine.md, "Policies and shared state": thresholds and running means
+`state()` returns what must be saved back (docs/engine.md: thresholds and running means
 persist across requests, keyed by draft, target, policy and task tag).
 
 The engine enforces the hard cap `max_draft_tokens`; the policy only decides below it.

@@ -1,4 +1,4 @@
-"""Table-driven tests of the stopping policies (docs/engine.md, "Policies and shared state"), built through the registry
+"""Table-driven tests of the stopping policies (docs/engine.md), built through the registry
 exactly as the engine builds them: build_policy(name, overrides, state, resources)."""
 
 from __future__ import annotations
