@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common.convert import model_info
 from services.common.batcher import StepBatcher
 from services.common.compute import compute_thread
+from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
 from services.common.replay import REDIS_ERRORS, RedisDVI
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
@@ -43,8 +43,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.executor = executor or compute_thread("draft")
         # Draft steps of concurrent sessions share forwards; a session comes back at once when its
         # window goes on, so the batcher never waits for one (gather 0).
-        self.batcher = StepBatcher(None, self.executor, max_batch_size,
-                                   lambda sessions, tokens, waits: self.metrics.batch_size.observe(sessions), gather=0.0)
+        self.batcher = StepBatcher(None, self.executor, max_batch_size, self._on_batch, gather=0.0)
         self.runners: set[DraftRunner] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "draft")
@@ -152,6 +151,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
         return CostCurve(self.t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
                          batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
+
+    def _on_batch(self, sessions: int, tokens: int, waits: list[float]) -> None:
+        self.metrics.batch_size.observe(sessions)
 
     def _on_step(self, seconds: float) -> None:
         self.metrics.step_s.observe(seconds)

@@ -14,6 +14,8 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from services.common.batcher import StepBatcher, measure_batch_surface
+from services.common.compute import compute_thread
 from services.common.convert import (
     distribution_from_proto,
     features_to_proto,
@@ -21,10 +23,8 @@ from services.common.convert import (
     sampling_from_proto,
     top_logprobs_to_proto,
 )
-from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
-from services.common.batcher import StepBatcher, measure_batch_surface
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
