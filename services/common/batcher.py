@@ -189,7 +189,10 @@ class StepBatcher:
             self.returning = {j.session for j in jobs if not j.future.done()}
             for j, r in zip(jobs, results):
                 if not j.future.done():
-                    j.future.set_result(r)
+                    if isinstance(r, BaseException):
+                        j.future.set_exception(r)
+                    else:
+                        j.future.set_result(r)
 
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
@@ -198,7 +201,17 @@ class StepBatcher:
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
-        return [(j.then(lg, h), info) for j, (lg, h) in zip(jobs, out)]
+        return [self._finish(j, lg, h, info) for j, (lg, h) in zip(jobs, out)]
+
+    @staticmethod
+    def _finish(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None,
+                info: BatchInfo) -> tuple[object, BatchInfo] | Exception:
+        """One job's result, or the error its own `then` raised: that session fails alone, the
+        others in the forward get their answers."""
+        try:
+            return job.then(logits, hidden), info
+        except Exception as e:  # noqa: BLE001 - handed to that job's waiter
+            return e
 
     def close(self) -> None:
         if self._worker is not None:

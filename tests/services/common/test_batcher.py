@@ -69,3 +69,30 @@ def test_without_the_wait_the_late_session_runs_a_forward_of_its_own(pooled):
 
 def test_a_session_that_ended_is_not_waited_for(pooled):
     assert _run(pooled, gather=1000.0, forget_late=True) == [2, 1]
+
+
+def test_a_session_whose_step_fails_fails_alone(pooled):
+    """One session's verdict raising (bad input found on the compute thread) is that session's
+    error; the other session in the same forward gets its answer."""
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        batcher = StepBatcher(pooled.model, executor, 8, gather=0.0)
+        a, b = pooled.session(), pooled.session()
+        for s in (a, b):
+            s.extend([3, 4, 5], 1)
+
+        def bad(logits, hidden):
+            raise ValueError("this session's input")
+
+        try:
+            return await asyncio.gather(batcher.submit(a, [7], 1, lambda logits, hidden: "ok"),
+                                        batcher.submit(b, [7], 1, bad), return_exceptions=True)
+        finally:
+            batcher.close()
+            executor.shutdown()
+            a.close()
+            b.close()
+
+    good, failed = asyncio.run(main())
+    assert good[0] == "ok" and good[1].batch_size == 2
+    assert isinstance(failed, ValueError)
