@@ -391,13 +391,10 @@ def _csv(text: str) -> list[str]:
 
 def _machine() -> str:
     import os
-    import platform
 
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    return f"{model}, {os.cpu_count()} CPUs"
+    from specd.costs import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} CPUs"
 
 
 def cmd_bench_load(args) -> int:

@@ -150,7 +150,8 @@ class CostCurve:
                    batch_token_seconds=[float(t) for t in d.get("batch_token_s", [])])
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def median_time(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -173,7 +174,7 @@ def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
             session.rollback(len(seq) - 1)
 
         step()  # warm-up
-        return _median_time(step, repeats)
+        return median_time(step, repeats)
     finally:
         session.close()
 
@@ -207,7 +208,7 @@ def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(ra
                 kv.rollback(len(prefix))
 
             forward()  # warm-up
-            ts.append(_median_time(forward, repeats))
+            ts.append(median_time(forward, repeats))
     finally:
         kv.close()
     return list(ks), ts, t_prefill

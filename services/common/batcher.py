@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.costs import synthetic_prefix
+from specd.costs import median_time, synthetic_prefix
 from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
@@ -95,24 +95,15 @@ def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[lis
                 for s in group:
                     s.rollback(len(prefix))
 
-            one = _median_seconds(lambda: forward(0), repeats)
+            forward(0), forward(8)  # warm-up
+            one = median_time(lambda: forward(0), repeats)
             steps.append(one)
-            tokens.append(max(_median_seconds(lambda: forward(8), repeats) - one, 0.0) / 8)
+            tokens.append(max(median_time(lambda: forward(8), repeats) - one, 0.0) / 8)
     finally:
         for s in sessions:
             s.close()
     every = range(1, max(len(sessions), 1) + 1)
     return [float(t) for t in np.interp(every, points, steps)], [float(t) for t in np.interp(every, points, tokens)]
-
-
-def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 class StepBatcher:

@@ -65,10 +65,14 @@ class LoopStats(GenerationStats):
     batch_sizes: list[int] = field(default_factory=list)
     target_prefill_s: float = 0.0  # the target's prompt prefill
     target_decode_s_per_token: float = 0.0  # the target's measured cost of a plain decoding step
-    # what target-only decoding would have cost a token at the load each verification saw (a plain
-    # step in a forward of that many sessions), averaged over the tokens emitted
-    target_only_s_per_token: float = 0.0
-    _target_only: list[float] = field(default_factory=lambda: [0.0, 0.0])  # seconds, tokens
+    # what target-only decoding would have cost the tokens verified so far, each at the load its
+    # verification saw (a plain step in a forward of that many sessions)
+    target_only_s: float = 0.0
+    target_only_tokens: int = 0
+
+    @property
+    def target_only_s_per_token(self) -> float:
+        return self.target_only_s / self.target_only_tokens if self.target_only_tokens else 0.0
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
@@ -369,9 +373,8 @@ class RequestLoop:
         s.batch_sizes.append(v.batch_size)
         s.target_prefill_s += v.prefill_seconds
         s.target_decode_s_per_token = v.decode_seconds_per_token
-        s._target_only[0] += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
-        s._target_only[1] += n + 1
-        s.target_only_s_per_token = s._target_only[0] / s._target_only[1]
+        s.target_only_s += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
+        s.target_only_tokens += n + 1
         if k:
             s.drafted += k
             s.accepted += n
