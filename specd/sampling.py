@@ -35,7 +35,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         # Greedy is the limit T -> 0: a point mass on the argmax.
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    # Shifted first and T kept within float32, so that a tiny temperature gives a point mass,
+    # not inf - inf or 0 / 0 = nan.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -45,6 +48,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= params.top_p  # mass before this token already enough
+        drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)

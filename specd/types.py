@@ -13,11 +13,32 @@ Glossary (used the same way everywhere in specd):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from specd.errors import InvalidRequest
+
+# Limits of what one request may ask, checked before any work (and before any conversion to
+# protobuf, whose integers and strings are narrower than JSON's and Python's).
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
+MAX_SEED = 2**63 - 1
+MAX_TOP_K = 1 << 20
+MAX_POLICY_PARAMS = 32
+MAX_NAME_CHARS = 64  # a policy's name, a policy parameter's name
+TASK_TAG = re.compile(r"[A-Za-z0-9_.:/@-]{1,64}")
+MAX_DRAFT_TOKENS = 256
+
+
+def check_text(field_name: str, text: str) -> None:
+    """InvalidRequest unless text is encodable Unicode: a JSON string may carry a lone
+    surrogate (e.g. "\\ud800"), which no tokenizer, protobuf or Redis can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(field_name, f"is not valid Unicode: a lone surrogate at character {e.start}") from None
 
 
 @dataclass(frozen=True)
@@ -45,17 +66,22 @@ class SamplingParams:
     def validate(self, max_new_tokens_limit: int = 1 << 20) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
             raise InvalidRequest("temperature", f"must be in [0, 100], got {self.temperature}")
-        if not (0 <= self.top_k <= 1 << 20):
-            raise InvalidRequest("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0 <= self.top_k <= MAX_TOP_K):
+            raise InvalidRequest("top_k", f"must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (1 <= self.max_new_tokens <= max_new_tokens_limit):
             raise InvalidRequest(
                 "max_new_tokens", f"must be in [1, {max_new_tokens_limit}], got {self.max_new_tokens}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidRequest("seed", f"must be a non-negative 64-bit integer, got {self.seed}")
-        if any(not s for s in self.stop):
-            raise InvalidRequest("stop", "stop strings must be non-empty")
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise InvalidRequest("stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters, "
+                                             f"got {len(s)}")
+            check_text("stop", s)
 
 
 @dataclass(frozen=True)
@@ -75,6 +101,28 @@ class SpecParams:
     task_tag: str = "default"
     relaxed: bool = False
     branches: int | None = None
+
+    def validate(self) -> None:
+        """The request-independent limits; the policy checks its parameters' values itself."""
+        check_text("policy", self.policy)
+        if not 1 <= len(self.policy) <= MAX_NAME_CHARS:
+            raise InvalidRequest("policy", f"must be a policy name of 1 to {MAX_NAME_CHARS} characters")
+        if not TASK_TAG.fullmatch(self.task_tag):
+            raise InvalidRequest("task_tag", "must be 1 to 64 characters among letters, digits and _ . : / @ -")
+        if self.max_draft_tokens is not None and not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest("max_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], "
+                                                     f"got {self.max_draft_tokens}")
+        if len(self.policy_params) > MAX_POLICY_PARAMS:
+            raise InvalidRequest("policy_params", f"at most {MAX_POLICY_PARAMS} parameters, "
+                                                  f"got {len(self.policy_params)}")
+        for name, value in self.policy_params.items():
+            check_text("policy_params", name)
+            if not 1 <= len(name) <= MAX_NAME_CHARS:
+                raise InvalidRequest("policy_params", f"parameter names have 1 to {MAX_NAME_CHARS} characters")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidRequest(f"policy_params.{name}", f"must be a finite number, got {value!r}")
+        if self.branches is not None and not 0 <= self.branches <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest("branches", f"must be in [0, {MAX_DRAFT_TOKENS}], got {self.branches}")
 
 
 @dataclass(frozen=True, slots=True)

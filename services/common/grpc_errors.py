@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -50,7 +51,16 @@ def status_error(code: grpc.StatusCode, details: str, service: str) -> SpecdErro
         return Overloaded(f"{service}: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return ModelError(f"{service}: {details}")
-    return Unavailable(f"{service} service: {code.name.lower()}: {details}")
+    # Transport failures describe the network ("failed to connect ... ipv4:10.0.0.7:50062"):
+    # that goes to the log, and the caller (whose message may reach an API client) gets the code.
+    if _TRANSPORT_DETAIL.search(details):
+        log.warning("%s service: %s: %s", service, code.name, details)
+        details = ""
+    return Unavailable(f"{service} service: {code.name.lower()}" + (f": {details}" if details else ""))
+
+
+_TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|dns:|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]*:[0-9a-fA-F:]*\]"
+                               r"|failed to connect|socket closed|connection (refused|reset)", re.IGNORECASE)
 
 
 Observe = Callable[[str, str, float], None]  # (method, status code name, seconds) when a call ends

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specd.types import SamplingParams, SpecParams
+from specd.errors import InvalidRequest
+from specd.types import SamplingParams, SpecParams, check_text
+
+# What one request may send, checked before it is tokenized: far more text than any model's
+# context holds is refused at once rather than tokenized first.
+MAX_PROMPT_CHARS = 1 << 20
+MAX_MESSAGES = 1024
+MAX_ROLE_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,32 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()
     spec: SpecParams = SpecParams()  # policy "none" decodes with the target alone
     overlap: bool | None = None  # PEARL overlap; None = the coordinator's setting
+
+    def validate(self, max_new_tokens_limit: int = 1 << 20) -> None:
+        """InvalidRequest naming the first field beyond the limits above or those of the
+        sampling and speculation parameters; cheap, and run before any conversion or tokenizing."""
+        if self.prompt is not None:
+            check_text("prompt", self.prompt)
+            if len(self.prompt) > MAX_PROMPT_CHARS:
+                raise InvalidRequest("prompt", f"at most {MAX_PROMPT_CHARS} characters, got {len(self.prompt)}")
+        if self.messages is not None:
+            if len(self.messages) > MAX_MESSAGES:
+                raise InvalidRequest("messages", f"at most {MAX_MESSAGES} messages, got {len(self.messages)}")
+            for i, m in enumerate(self.messages):
+                role, content = m.get("role"), m.get("content")
+                if not isinstance(role, str) or not 1 <= len(role) <= MAX_ROLE_CHARS:
+                    raise InvalidRequest(f"messages.{i}.role", "must be a role name such as 'user'")
+                check_text(f"messages.{i}.role", role)
+                if not isinstance(content, str):
+                    raise InvalidRequest(f"messages.{i}.content", "must be a string")
+                check_text(f"messages.{i}.content", content)
+            chars = sum(len(m["content"]) for m in self.messages)
+            if chars > MAX_PROMPT_CHARS:
+                raise InvalidRequest("messages", f"at most {MAX_PROMPT_CHARS} characters in all, got {chars}")
+        if self.prompt_ids is not None and len(self.prompt_ids) > MAX_PROMPT_CHARS:
+            raise InvalidRequest("prompt_ids", f"at most {MAX_PROMPT_CHARS} tokens, got {len(self.prompt_ids)}")
+        self.sampling.validate(max_new_tokens_limit)
+        self.spec.validate()
 
 
 @dataclass(frozen=True)

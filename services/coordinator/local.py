@@ -87,6 +87,7 @@ class LocalBackend:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def _open(self, session: _Session, request: GenerateRequest) -> GenerationRun:
+        request.validate()
         run = self.engine.start(self._prompt_ids(request), request.sampling, request.spec)
         session.run = run
         self.active_sessions += 1

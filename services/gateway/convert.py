@@ -50,8 +50,11 @@ def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int
     overlap = req.speculative.overlap
     if isinstance(req, ChatCompletionRequest):
         messages = tuple({"role": _ROLES.get(m.role, m.role), "content": m.text} for m in req.messages)
-        return GenerateRequest(messages=messages, sampling=sampling, spec=spec, overlap=overlap)
-    return GenerateRequest(prompt=req.text, sampling=sampling, spec=spec, overlap=overlap)
+        gen = GenerateRequest(messages=messages, sampling=sampling, spec=spec, overlap=overlap)
+    else:
+        gen = GenerateRequest(prompt=req.text, sampling=sampling, spec=spec, overlap=overlap)
+    gen.validate(max_tokens_limit)  # here, whatever the backend: before any conversion to protobuf
+    return gen
 
 
 def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
@@ -59,7 +62,7 @@ def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
     if getattr(req, "max_completion_tokens", None) is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if not 1 <= max_tokens <= max_tokens_limit:
         raise InvalidRequest(name, f"must be in [1, {max_tokens_limit}], got {max_tokens}")
     return SamplingParams(

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from specd.types import MAX_DRAFT_TOKENS, MAX_POLICY_PARAMS, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_K, TASK_TAG
+
 # -- requests ---------------------------------------------------------------------------------
 
 
@@ -40,13 +42,16 @@ class SpeculativeOptions(BaseModel):
     """Per-request speculation settings (the `speculative` extra body field). Unknown keys
     are refused: a misspelt setting must not be silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(True, description="false decodes with the target alone (policy 'none')")
     policy: str | None = Field(None, description="stopping policy; default: the gateway's")
-    max_draft_tokens: int | None = Field(None, description="hard cap on tokens drafted per round")
-    params: dict[str, float] = Field(default_factory=dict, description="policy hyperparameters by name")
-    task_tag: str = Field("default", description="key of the shared adaptive policy state")
+    max_draft_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT_TOKENS,
+                                         description="hard cap on tokens drafted per round")
+    params: dict[str, float] = Field(default_factory=dict, max_length=MAX_POLICY_PARAMS,
+                                     description="policy hyperparameters by name")
+    task_tag: str = Field("default", pattern=f"^{TASK_TAG.pattern}$",
+                          description="key of the shared adaptive policy state")
     relaxed: bool = Field(False, description="AdaSD's lossy relaxed verification (adasd only)")
     overlap: bool | None = Field(None, description="PEARL overlap; default: the coordinator's setting")
 
@@ -58,16 +63,17 @@ class StreamOptions(BaseModel):
 class _Knobs(BaseModel):
     """What chat and completions requests share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="ignored: the gateway serves one target model")
     max_tokens: int | None = Field(None, description="tokens to generate (default 256)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="extension: 0 = off")
-    seed: int | None = Field(None, description="sampling: the same seed gives the same text (the target "
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, description="extension: 0 = off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling: the same seed gives the same text (the target "
                                                 "alone's with that seed, whatever was drafted)")
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} strings; generation stops before the first")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int | None, AfterValidator(_one)] = None

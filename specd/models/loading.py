@@ -87,9 +87,14 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
     if isinstance(prompt, str) and not prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
     if chat and getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        try:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False))
+        except TemplateError as e:  # the template's own refusal (e.g. roles out of order)
+            raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
     if not isinstance(prompt, str):
         raise InvalidRequest("prompt", "this model has no chat template for messages")
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

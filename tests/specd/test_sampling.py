@@ -68,6 +68,19 @@ def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, num_kept):
     torch.testing.assert_close(probs, expected)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in float32
+                                    SamplingParams(temperature=1e-300),  # logits / T overflow
+                                    SamplingParams(temperature=1e-30, top_k=2, top_p=1e-40)])
+def test_extreme_parameters_give_the_most_likely_token_not_nan(params):
+    """Found by fuzzing the gateway: each of these was a 500 (multinomial on nan)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 3.0], [9.0, 2.0, -1.0, 3.0]])
+    probs = logits_to_probs(logits, params)
+    expected = torch.zeros(2, 4)
+    expected[0, 3] = expected[1, 0] = 1.0
+    assert torch.equal(probs, expected)
+    assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [3, 0]
+
+
 def test_top_k_then_top_p_compose():
     # top-k 3 renormalises [0.5, 0.3, 0.15] to [0.526, 0.316, 0.158]; top-p 0.8 then needs 2 tokens
     probs = logits_to_probs(_logits([0.5, 0.3, 0.15, 0.05]),
