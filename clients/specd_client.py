@@ -22,8 +22,12 @@ iterator (`stream.close()` / `await stream.aclose()`) rather than waiting for th
 collector. Errors arrive as specd's typed errors (InvalidRequest naming the bad field,
 Unavailable, Overloaded, ModelError), mapped from the gRPC status in one place.
 
+TLS, mTLS and the shared token: pass `security=GrpcSecurity(tls_ca=..., tls_cert=..., tls_key=...,
+auth_token=...)` (services.common.security); the default is plaintext without a token.
+
 From a shell: `python -m clients.specd_client --address HOST:PORT "prompt"` streams the text
-to stdout, then prints the request's spec_stats as JSON.
+to stdout, then prints the request's spec_stats as JSON (TLS: --tls-ca, and for mTLS --tls-cert
+and --tls-key; the token from SPECD_AUTH_TOKEN).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import json
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 import grpc
 
 from services.common.grpc_errors import from_rpc_error
+from services.common.security import GrpcSecurity
 from services.common.server import CHANNEL_OPTIONS
 from services.coordinator.api import FinishEvent, GenerateRequest, ModelCard
 from services.coordinator.convert import event_from_proto, request_to_proto
@@ -98,9 +104,9 @@ def _card(info: coordinator_pb2.CoordinatorInfo) -> ModelCard:
 class CoordinatorClient:
     """Blocking client over a sync gRPC channel; `generate` returns an iterator of Chunks."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: GrpcSecurity | None = None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (security or GrpcSecurity()).sync_channel(address, CHANNEL_OPTIONS)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     def info(self, timeout: float = 10) -> ModelCard:
@@ -144,15 +150,15 @@ class CoordinatorClient:
 class AsyncCoordinatorClient:
     """asyncio client over a grpc.aio channel, opened on first use (on the running loop)."""
 
-    def __init__(self, address: str):
-        self.address = address
+    def __init__(self, address: str, security: GrpcSecurity | None = None):
+        self.address, self.security = address, security or GrpcSecurity()
         self.channel: grpc.aio.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorServiceStub | None = None
 
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         if self._stub is None:
-            self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self.channel = self.security.aio_channel(self.address, CHANNEL_OPTIONS)
             self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         return self._stub
 
@@ -213,12 +219,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="stopping policy ('none': the target alone; default: the server's)")
     p.add_argument("--overlap", choices=["on", "off"], default=None,
                    help="PEARL overlap (default: the server's)")
+    p.add_argument("--tls-ca", type=Path, help="CA bundle verifying the coordinator (turns TLS on)")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (mTLS), with --tls-key")
+    p.add_argument("--tls-key", type=Path, help="private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name checked in the coordinator's certificate")
     a = p.parse_args(argv)
     overlap = None if a.overlap is None else a.overlap == "on"
     source = {"messages": [{"role": "user", "content": a.prompt}]} if a.chat else {"prompt": a.prompt}
     stats: dict = {}
     try:
-        with CoordinatorClient(a.address) as client:
+        security = GrpcSecurity(a.tls_cert, a.tls_key, a.tls_ca, tls_server_name=a.tls_server_name,
+                                auth_token=os.environ.get("SPECD_AUTH_TOKEN") or None)
+        with CoordinatorClient(a.address, security) as client:
             for chunk in client.generate(**source, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                          top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
                                          policy=a.policy, overlap=overlap):

@@ -70,6 +70,9 @@ def add_commands(sub) -> None:
 
     add_command(sub)
     add_load_command(sub)
+    from services.gateway.keys_cli import add_command as add_keys_command
+
+    add_keys_command(sub)
 
 
 def _settings(name: str, args: argparse.Namespace):
@@ -83,10 +86,22 @@ def _settings(name: str, args: argparse.Namespace):
         raise SpecdError(f"{name} setting {field}: {err['msg']}") from None
 
 
+def _check_security(settings) -> None:
+    """gRPC security settings that cannot work fail at once, before a model loads (SecurityError)."""
+    from services.common.security import GrpcSecurity
+    from services.common.settings import GrpcServiceSettings, SecurityFields
+
+    if isinstance(settings, SecurityFields):
+        security = GrpcSecurity.from_settings(settings)
+        if isinstance(settings, GrpcServiceSettings):
+            security.check_listen(settings.host, quiet=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     settings = _settings(args.service, args)
+    _check_security(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.service == "draft":
         from services.draft.main import serve
@@ -114,7 +129,8 @@ def _free_port() -> int:
 
 def _plan(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, port) of each service, in start order; the gRPC services also get a free
-    metrics port (the gateway serves /metrics on its own port)."""
+    metrics port (the gateway serves /metrics on its own port). Every gRPC link is on loopback
+    and plaintext, chosen explicitly with --insecure true."""
     draft, target, coord = _free_port(), _free_port(), _free_port()
     gateway = args.port or _free_port()
     cpus = os.cpu_count() or 2
@@ -135,14 +151,16 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
         draft_flags += ["--dvi", "true", *redis]
         trainer = [("trainer", ["--target-model", args.target_model, "--threads", str(max(1, cpus // 4)), *redis],
                     _free_port())]
+    plaintext = ["--insecure", "true"]
     return [
-        ("target", ["--model", args.target_model, "--metrics-port", str(_free_port())], target),
-        ("draft", [*draft_flags, "--metrics-port", str(_free_port())], draft),
+        ("target", ["--model", args.target_model, "--metrics-port", str(_free_port()), *plaintext], target),
+        ("draft", [*draft_flags, "--metrics-port", str(_free_port()), *plaintext], draft),
         *trainer,
         ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
                          "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
-                         "--metrics-port", str(_free_port())], coord),
-        ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy], gateway),
+                         "--metrics-port", str(_free_port()), *plaintext], coord),
+        ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy,
+                     "--auth", "open", *plaintext], gateway),  # loopback only: no API key (_announce says so)
     ]
 
 
@@ -223,6 +241,7 @@ def _announce(url: str, plan: list[tuple[str, list[str], int]]) -> None:
                                      for _, flags, _ in plan if "--metrics-port" in flags]
     metrics += [f"http://127.0.0.1:{port}/metrics" for name, _, port in plan if name == "trainer"]
     print(f"\nspecd gateway: {url}/v1  (OpenAI-compatible; docs at {url}/docs)\n"
+          "The API is open on loopback: no API key is needed (`specd serve gateway` requires one).\n"
           f"Prometheus metrics: {' '.join(metrics)}\n\nTry:\n"
           f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",
           flush=True)

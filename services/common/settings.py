@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,11 +14,37 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
     port: int = Field(0, ge=0, le=65535, description="port to listen on (0: any free port)")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+    drain_grace_s: float = Field(600.0, ge=0, le=86400,
+                                 description="on SIGTERM: health answers NOT_SERVING (503 'draining'), new "
+                                             "requests are refused, and requests in flight get this long to "
+                                             "finish before the process exits (a second signal: at once)")
 
 
-class GrpcServiceSettings(ServiceSettings):
+class SecurityFields(BaseSettings):
+    """TLS, mTLS and a shared token on the process's gRPC links, server side and client side alike
+    (services.common.security)."""
+
+    tls_cert: Path | None = Field(None, description="PEM certificate of this process: its server certificate "
+                                                    "and, as a client, its client certificate (mTLS)")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: Path | None = Field(None, description="PEM CA bundle that verifies peers: the servers this process "
+                                                  "calls and, with tls_client_auth, its clients")
+    tls_client_auth: bool = Field(False, description="as a server, require client certificates signed by "
+                                                     "tls_ca (mTLS)")
+    tls_server_name: str | None = Field(None, description="name checked in the server certificate instead of "
+                                                          "the address's host (e.g. when dialing an IP)")
+    auth_token: SecretStr | None = Field(None, validation_alias=AliasChoices("auth_token", "SPECD_AUTH_TOKEN"),
+                                         description="shared bearer token: sent on every call, and required "
+                                                     "of callers (all but the health check)")
+    insecure: bool = Field(False, description="plaintext gRPC chosen on purpose (needed to listen on or dial "
+                                              "a non-loopback address without TLS or a token)")
+
+
+class GrpcServiceSettings(ServiceSettings, SecurityFields):
     metrics_port: int = Field(9100, ge=0, le=65535,
                               description="port of the Prometheus /metrics endpoint (0: any free port)")
+    reflection: bool = Field(False, description="serve gRPC server reflection (lists the services and their "
+                                                "messages)")
 
 
 class ModelFields(BaseSettings):
@@ -134,10 +160,13 @@ class CoordinatorSettings(GrpcServiceSettings):
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of one request")
     draft_stall_s: float = Field(10.0, gt=0, le=3600,
                                  description="waiting this long on the draft alone falls back to the target")
+    startup_timeout_s: float = Field(600.0, gt=0, le=86400,
+                                     description="at start-up, retry reaching the target (with backoff, health "
+                                                 "NOT_SERVING meanwhile) this long, then exit non-zero")
     redis_url: str | None = redis_field()
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(ServiceSettings, SecurityFields):
     model_config = SettingsConfigDict(env_prefix="SPECD_GATEWAY_")
 
     port: int = Field(8000, ge=0, le=65535)
@@ -148,9 +177,23 @@ class GatewaySettings(ServiceSettings):
                                             "lookup drafter unless a request asks)")
     default_policy: str = Field("cost-aware", description="stopping policy when a request names none")
     max_tokens_limit: int = Field(4096, ge=1, le=1 << 20, description="largest max_tokens a request may ask")
+    max_body_bytes: int = Field(4 << 20, ge=0, le=1 << 30,
+                                description="a larger request body is refused with 413 before it is read "
+                                            "(0: no limit)")
     max_concurrent_requests: int = Field(64, ge=0, le=1 << 20,
                                          description="generations in flight beyond which a request is refused "
                                                      "at once with 503 and Retry-After (0: no limit)")
-    api_keys: str = Field("", description="comma-separated API keys ('' = open)")
+    api_keys: str = Field("", description="comma-separated static API keys, unlimited, named key-1, "
+                                          "key-2, ... (kept for old deploys; prefer `specd keys create`)")
+    auth: str = Field("required", pattern="^(required|open)$",
+                      description="required: /v1 needs a known API key (from keys_file, else the Redis at "
+                                  "redis_url, or api_keys) and the gateway refuses to start without one; "
+                                  "open: no key is checked")
+    keys_file: Path | None = Field(None, description="JSON file of API keys made by `specd keys create "
+                                                     "--keys-file` (unset: the keys in Redis at redis_url)")
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    startup_timeout_s: float = Field(600.0, gt=0, le=86400,
+                                     description="at start-up, retry reaching the coordinator (or the target) "
+                                                 "with backoff, /health 503 meanwhile, this long, then exit "
+                                                 "non-zero")
     redis_url: str | None = redis_field()

@@ -10,34 +10,46 @@ Redis layout (one hash per StateKey):
 `namespace` defaults to "specd"; "v1" is the version of this layout. Each of the four key
 parts is escaped so that "|" stays a separator: "%" becomes "%25", then "|" becomes "%7C";
 every other character (":" and "/" of model names included) is kept as is. A save replaces the
-whole hash atomically (MULTI/EXEC: DEL, then HSET); saving an empty state only DELs it. Last
-writer wins; nothing expires.
+whole hash atomically (MULTI/EXEC: DEL, HSET, EXPIRE); saving an empty state only DELs it. Last
+writer wins. Each key expires STATE_TTL_S (30 days) after its last save, so the state of a
+pair, policy or task tag no longer served does not stay forever.
 
-Redis being unreachable (connection refused, DNS, socket timeout) raises
-specd.errors.Unavailable naming the URL without its password; callers decide whether to go on
-without shared state. `build_state_store(None)` gives the process-local memory store.
+Policy state is an optimisation, so Redis can never cost an answer: load() and save() never
+raise. Any Redis error (unreachable, timeout, READONLY after a failover, OOM, NOREPLICAS,
+LOADING...) is logged as a warning and the request goes on without shared state (load gives
+{}, save is dropped); a corrupt value (a field that is not a float, a key that is not a hash)
+also loads as {} with a warning, and the next save replaces it. The socket timeouts are short
+(DEFAULT_TIMEOUT_S) and a circuit breaker (services.common.breaker) skips Redis for
+COOLDOWN_S after a failure (then one request tries again), so a slow or dead Redis costs at
+most one short timeout per cool-down. Messages name the URL without its password; ping()
+(for health checks) raises specd.errors.Unavailable. `build_state_store(None)` gives the
+process-local memory store.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 
+from services.common.breaker import Breaker
 from specd.errors import Unavailable
 from specd.state import MemoryStateStore, StateKey
+
+log = logging.getLogger(__name__)
 
 
 class AsyncStateStore(Protocol):
     async def load(self, key: StateKey) -> dict[str, float]:
-        """The saved state, or {} when nothing was saved yet."""
+        """The saved state, or {} when nothing was saved yet (or it cannot be read)."""
 
     async def save(self, key: StateKey, state: dict[str, float]) -> None:
-        """Replace the saved state (last writer wins)."""
+        """Replace the saved state (last writer wins); best effort."""
 
     async def close(self) -> None:
         """Release connections; the store is not used afterwards."""
@@ -82,15 +94,24 @@ def redact_url(url: str) -> str:
         return "<redis url>"
 
 
+STATE_TTL_S = 30 * 24 * 3600  # a policy-state key expires this long after its last save
+DEFAULT_TIMEOUT_S = 0.5  # connect and read timeout of one Redis command
+COOLDOWN_S = 5.0  # after a Redis failure, skip Redis this long
+
+
 class RedisStateStore:
     """AsyncStateStore on Redis, shared by every replica that uses the same URL and namespace."""
 
-    def __init__(self, url: str, namespace: str = "specd", *, timeout_s: float = 2.0,
-                 retries: int = 1) -> None:
+    def __init__(self, url: str, namespace: str = "specd", *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retries: int = 1, ttl_s: int = STATE_TTL_S, cooldown_s: float = COOLDOWN_S) -> None:
         if not namespace:
             raise ValueError("namespace must not be empty")
+        if ttl_s < 1:
+            raise ValueError("ttl_s must be at least 1 second")
         self.url = url
         self.namespace = namespace
+        self.ttl_s = ttl_s
+        self.breaker = Breaker(cooldown_s)
         self._safe_url = redact_url(url)
         try:
             self._redis = aioredis.Redis.from_url(
@@ -98,8 +119,9 @@ class RedisStateStore:
                 decode_responses=True,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
-                # A dropped connection is retried once, briefly; an unreachable server fails fast.
-                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries),
+                # A dropped connection (Redis restarted) is retried once, at once; a timeout is not
+                # retried: a slow Redis costs one timeout, then the breaker skips it.
+                retry=Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,)),
             )
         except ValueError as e:  # a malformed URL is a configuration error, not an outage
             raise ValueError(f"invalid Redis URL {self._safe_url}: {e}") from None
@@ -113,32 +135,62 @@ class RedisStateStore:
         return Unavailable(f"shared policy state: Redis at {self._safe_url} is unreachable: "
                            f"{type(e).__name__}: {e}")
 
+    def _failed(self, what: str, e: Exception) -> None:
+        """A Redis failure: warn, and skip Redis for the cool-down."""
+        self.breaker.failure()
+        log.warning("shared policy state: %s on Redis at %s failed (%s: %s); going on without it, "
+                    "Redis skipped for %.0f s", what, self._safe_url, type(e).__name__, e, self.breaker.cooldown_s)
+
     async def load(self, key: StateKey) -> dict[str, float]:
+        """The saved state; {} when nothing is saved, the value is corrupt or Redis fails."""
+        if not self.breaker.allow():
+            return {}
+        k = self.key(key)
         try:
-            raw = await self._redis.hgetall(self.key(key))
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            raise self._unavailable(e) from e
-        return {name: float(value) for name, value in raw.items()}
+            raw = await self._redis.hgetall(k)
+        except redis.exceptions.ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                self._failed("load", e)
+                return {}
+            self.breaker.success()  # Redis answered: only this key is wrong
+            log.warning("shared policy state: %s is not a hash; starting from the policy's defaults", k)
+            return {}
+        except (redis.exceptions.RedisError, OSError) as e:
+            self._failed("load", e)
+            return {}
+        self.breaker.success()
+        try:
+            return {name: float(value) for name, value in raw.items()}
+        except (TypeError, ValueError) as e:
+            log.warning("shared policy state: %s holds a value that is not a float (%s); starting from "
+                        "the policy's defaults", k, e)
+            return {}
 
     async def save(self, key: StateKey, state: dict[str, float]) -> None:
+        """Replace the saved state; dropped (with a warning) when Redis fails."""
+        if not self.breaker.allow():
+            return
         k = self.key(key)
         mapping = {name: repr(float(value)) for name, value in state.items()}
         try:
             if not mapping:
                 await self._redis.delete(k)
-                return
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(k)
-                pipe.hset(k, mapping=mapping)
-                await pipe.execute()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            raise self._unavailable(e) from e
+            else:
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(k)  # also replaces a key of the wrong type
+                    pipe.hset(k, mapping=mapping)
+                    pipe.expire(k, self.ttl_s)
+                    await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as e:
+            self._failed("save", e)
+            return
+        self.breaker.success()
 
     async def ping(self) -> None:
         """Returns when Redis answers; raises Unavailable otherwise (for health checks)."""
         try:
             await self._redis.ping()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+        except (redis.exceptions.RedisError, OSError) as e:
             raise self._unavailable(e) from e
 
     async def close(self) -> None:

@@ -3,12 +3,19 @@
 It owns what is per deployment rather than per request: the two channels, the target's
 tokenizer (fetched from the target service, so it needs no model files), the pair check
 (a draft whose tokenizer differs from the target's is refused), the shared policy state
-(loaded before a request, saved after it) and the overlap setting. Each request runs a
-services.coordinator.loop.RequestLoop.
+(loaded before a request, saved after it in the background: the answer never waits for it) and
+the overlap setting. Each request runs a services.coordinator.loop.RequestLoop.
+
+The draft is optional: when its Info call fails, a breaker (services.common.breaker) skips it
+for `draft_cooldown_s`, so requests fall back to the target alone at once instead of each
+waiting out the Info timeout; then one request probes it again. `ready()` is the target's
+health, checked over the coordinator's own channel with a short timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import asyncio
 import dataclasses
 import logging
 import tempfile
@@ -17,12 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from services.common.breaker import Breaker
 from services.common.detok import TextStream
 from services.common.grpc_errors import from_rpc_error
 from services.common.metrics import new_registry
-from services.common.server import channel, check_health
+from services.common.security import GrpcSecurity
+from services.common.server import channel
 from services.common.state import AsyncStateStore
 from services.coordinator.api import (
     Event,
@@ -55,6 +65,9 @@ class CoordinatorConfig:
     request_timeout_s: float = 600.0
     draft_stall_s: float = 10.0
     info_timeout_s: float = 5.0
+    draft_cooldown_s: float = 5.0  # after a failed draft Info, use the target alone this long
+    health_timeout_s: float = 0.5  # of one health check of the target (ready())
+    security: GrpcSecurity = GrpcSecurity()  # TLS and the token on both channels (default: plaintext)
 
 
 class Coordinator:
@@ -63,9 +76,9 @@ class Coordinator:
         self.cfg, self.state_store = cfg, state_store
         self.registry = registry or new_registry()  # the Prometheus series of every request
         self.metrics = CoordinatorMetrics(self.registry)
-        self.target_channel = channel(cfg.target_address)
+        self.target_channel = channel(cfg.target_address, cfg.security)
         self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
-        self.draft_channel = channel(cfg.draft_address) if cfg.draft_address else None
+        self.draft_channel = channel(cfg.draft_address, cfg.security) if cfg.draft_address else None
         self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
         self.target_info: common_pb2.ModelInfo | None = None
         self.tokenizer = None
@@ -76,6 +89,9 @@ class Coordinator:
         self.batch_token_seconds: list[float] = []
         self.decode_s: float | None = None  # its current decode cost (Verified)
         self.round_overhead_s = 0.0  # round trip beyond the forward, a moving average
+        self.draft_breaker = Breaker(cfg.draft_cooldown_s)
+        self._saves: set[asyncio.Task] = set()  # policy-state saves under way (kept from the GC)
+        self._on_close: list = []
 
     # -- connecting -------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -105,10 +121,15 @@ class Coordinator:
         """The draft service's description, or why it cannot be used now."""
         if self.draft_stub is None:
             return Unavailable("no draft service configured")
+        if not self.draft_breaker.allow():
+            return Unavailable(f"draft service unavailable: it failed within the last "
+                               f"{self.cfg.draft_cooldown_s:g} s; not tried again yet")
         try:
             info = await self.draft_stub.Info(common_pb2.InfoRequest(), timeout=self.cfg.info_timeout_s)
         except grpc.aio.AioRpcError as e:
+            self.draft_breaker.failure()
             return from_rpc_error(e, "draft")
+        self.draft_breaker.success()
         theirs, ours = info.model.tokenizer_fingerprint, self.target_info.tokenizer_fingerprint
         if theirs and ours and theirs != ours:
             return ModelError(f"draft {info.name} (tokenizer {theirs}) does not share the tokenizer of "
@@ -122,12 +143,35 @@ class Coordinator:
         return ModelCard(name, self.target_info.max_context if self.target_info else 0, self.drafter_name)
 
     async def ready(self) -> bool:
-        return await check_health(self.cfg.target_address)
+        """Connected, and the target answers SERVING within health_timeout_s."""
+        return self.target_info is not None and await self.target_serving()
+
+    async def target_serving(self) -> bool:
+        """The target's standard health check, over the coordinator's channel to it."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.target_channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.cfg.health_timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         return self.metrics.metered(self._generate(request), request, self.model_card().id, self.drafter_name)
 
-    async def close(self) -> None:
+    def on_close(self, callback) -> None:
+        """Call callback() when the coordinator closes (e.g. cancel a health watcher)."""
+        self._on_close.append(callback)
+
+    async def close(self, save_grace_s: float = 2.0) -> None:
+        """Close the channels and the state store, after waiting at most save_grace_s for the
+        policy-state saves under way (the rest are cancelled)."""
+        for callback in self._on_close:
+            callback()
+        if self._saves:
+            _, pending = await asyncio.wait(set(self._saves), timeout=save_grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         await self.target_channel.close()
         if self.draft_channel is not None:
             await self.draft_channel.close()
@@ -135,8 +179,10 @@ class Coordinator:
 
     # -- one request ------------------------------------------------------------------------
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        request.validate()  # before tokenizing: a gRPC client may not have come through a gateway
         await self._ensure_target()
-        prompt = self._prompt_ids(request)
+        # Tokenizing a long prompt takes a while: off the event loop, where every stream runs.
+        prompt = await asyncio.to_thread(self._prompt_ids, request)
         cfg = await self._loop_config(request, prompt)
         draft_stub, fallback_reason = None, ""
         if request.spec.policy != NO_SPECULATION:
@@ -165,7 +211,9 @@ class Coordinator:
                 yield TokenEvent((), tail.text)
         finally:
             await loop.close()
-        await self._save_state(cfg, loop)
+        # Saved in the background, scheduled before the last event: the caller stops reading
+        # at the FinishEvent (code after it never runs), and the answer must not wait for Redis.
+        self._save_state(cfg, loop)
         self._follow_costs(loop)
         yield FinishEvent(loop.finish_reason or "length", len(prompt), len(stream.ids),
                           {**loop.stats.to_dict(), "new_tokens": len(stream.ids)})
@@ -233,18 +281,24 @@ class Coordinator:
     async def _load_state(self, key: StateKey) -> dict:
         try:
             return await self.state_store.load(key)
-        except Unavailable as e:  # shared state is an optimisation: serve without it
+        except Exception as e:  # noqa: BLE001 - shared state is an optimisation: serve without it
             log.warning("%s; starting from the policy's defaults", e)
             return {}
 
-    async def _save_state(self, cfg: LoopConfig, loop: RequestLoop) -> None:
+    def _save_state(self, cfg: LoopConfig, loop: RequestLoop) -> None:
+        """Record the request's final policy state and save it in a background task."""
         if loop.policy_state is None or cfg.drafter is None:
             return
         self.metrics.record_policy_state(self.metrics.labels(self.model_card().id, cfg.spec.policy, cfg.drafter),
                                          cfg.spec.task_tag, loop.policy_state)
+        task = asyncio.ensure_future(self._save(self._state_key(cfg, cfg.drafter), dict(loop.policy_state)))
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def _save(self, key: StateKey, state: dict) -> None:
         try:
-            await self.state_store.save(self._state_key(cfg, cfg.drafter), loop.policy_state)
-        except Unavailable as e:
+            await self.state_store.save(key, state)
+        except Exception as e:  # noqa: BLE001 - a lost save costs only what this request learned
             log.warning("%s; adaptive policy state not saved", e)
 
 

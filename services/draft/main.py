@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common.compute import build_on, compute_thread
+from services.common.security import GrpcSecurity
 from services.common.server import serve_until_signal, start_server
 from services.common.settings import DraftSettings
 from services.draft.servicer import SERVICE_NAME, DraftServicer
@@ -62,7 +63,8 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
     server, port = await start_server(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer,
-                                      s.host, s.port, servicer.rpc_metrics.observe)
+                                      s.host, s.port, servicer.rpc_metrics.observe, GrpcSecurity.from_settings(s),
+                                      s.reflection)
     await servicer.start_learning()
     log.info("draft service (%s) listening on %s:%d", servicer.drafter.name, s.host, port)
     return server, port
@@ -71,5 +73,5 @@ async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Ser
 async def serve(s: DraftSettings) -> None:
     servicer = await build_on(compute_thread("draft"), build_servicer, s)
     server, port = await start(s, servicer)
-    await serve_until_signal("draft", server, port, servicer.registry, s.host, s.metrics_port)
+    await serve_until_signal("draft", server, port, servicer.registry, s.host, s.metrics_port, s.drain_grace_s)
     servicer.close()

@@ -24,7 +24,7 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
@@ -32,6 +32,10 @@ from starlette.types import Receive, Scope, Send
 
 from services.coordinator.api import Backend, Event, FinishEvent
 from services.gateway import convert, errors
+from services.gateway.auth import Auth, KeyedRoute
+from services.gateway.body_limit import BodyLimit
+from services.gateway.keys import KeyRing
+from services.gateway.limits import Limiter
 from services.gateway.metrics import GatewayMetrics, RequestCounter
 from services.gateway.schemas import (
     ChatCompletion,
@@ -42,19 +46,23 @@ from services.gateway.schemas import (
     ModelList,
 )
 from specd import __version__
-from specd.errors import Overloaded
+from specd.errors import Overloaded, Unavailable
 
 
 class Admission:
     """At most `limit` generations in flight on this gateway (0: no limit); one more is refused
     at once with Overloaded (503 and Retry-After), never queued. The routes run on one event
-    loop, so a plain counter is enough."""
+    loop, so a plain counter is enough. Once `draining` (shutting down), every new generation
+    is refused with Unavailable (503 and Retry-After) while those in flight finish."""
 
     def __init__(self, limit: int = 0):
         self.limit, self.in_flight = limit, 0
+        self.draining = False
 
     def enter(self) -> Callable[[], None]:
         """Count a generation in; returns its release, which is safe to call more than once."""
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; retry the request")
         if self.limit and self.in_flight >= self.limit:
             raise Overloaded(f"the gateway is serving its limit of {self.limit} concurrent requests")
         self.in_flight += 1
@@ -76,7 +84,7 @@ class Gateway:
     backend: Backend
     max_tokens_limit: int
     default_policy: str
-    api_keys: frozenset[str]
+    auth: Auth
     metrics: GatewayMetrics
     started: int  # unix time, the models' `created`
     admission: Admission = field(default_factory=Admission)
@@ -87,17 +95,11 @@ def _gateway(request: Request) -> Gateway:
 
 
 GatewayDep = Annotated[Gateway, Depends(_gateway)]
-_bearer = HTTPBearer(auto_error=False)
-
-
-async def _require_key(gw: GatewayDep,
-                       creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    if gw.api_keys and (creds is None or creds.credentials not in gw.api_keys):
-        raise errors.Unauthorized("missing or unknown API key; send 'Authorization: Bearer <key>'")
+_bearer = HTTPBearer(auto_error=False)  # documents the scheme; KeyedRoute checks the key before the body
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 500, 503)}
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_key)], responses=_ERRORS)
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer)], responses=_ERRORS, route_class=KeyedRoute)
 ops = APIRouter()
 
 
@@ -120,9 +122,20 @@ async def models(gw: GatewayDep) -> ModelList:
     return convert.model_list(gw.backend.model_card(), gw.started)
 
 
+HEALTH_TIMEOUT_S = 0.9  # /health answers within a second, whatever the backend does
+
+
 @ops.get("/health")
 async def health(gw: GatewayDep) -> JSONResponse:
-    ok = await gw.backend.ready()
+    """200 {"status": "ok"} when the backend is ready; 503 "unavailable" when it is not (or does
+    not say within HEALTH_TIMEOUT_S), 503 "draining" while shutting down. No details: probes
+    and clients learn nothing of the internal addresses."""
+    if gw.admission.draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": errors.RETRY_AFTER_S})
+    try:
+        ok = await asyncio.wait_for(gw.backend.ready(), HEALTH_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a backend that cannot say is not ready
+        ok = False
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
@@ -140,10 +153,14 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
     try:
         gen = convert.generate_request(body, default_policy=gw.default_policy,
                                        max_tokens_limit=gw.max_tokens_limit)
+        # Over the key's limits: 429 at once. The lease ends the admission and the key's lease.
+        lease = await gw.auth.admit(request, gen.sampling.max_new_tokens, release)
+        release = lease.close
         events = gw.backend.generate(gen)
         try:
             first = await anext(events)  # a bad request raises here, before any byte is sent
         except BaseException:
+            lease.used = 0  # nothing generated: the key gets its tokens back
             await _aclose(events)
             raise
         env = convert.Envelope.new(chat, gw.backend.model_card().id)
@@ -152,11 +169,13 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             head = convert.chat_head(env) if chat else []
             streaming = True  # the stream releases its admission when it ends, however it ends
             return EventStream(_sse(request, events, first, head,
-                                    lambda event: to_chunks(env, event, body.include_usage)), on_close=release)
+                                    lambda event: to_chunks(env, lease.observe(event), body.include_usage)),
+                               on_close=release)
         try:
             text, finish = await _collect(request, first, events)
         finally:
             await _aclose(events)
+        lease.observe(finish)
         return convert.chat_completion(env, text, finish) if chat else convert.completion(env, text, finish)
     finally:
         if not streaming:
@@ -242,20 +261,29 @@ class EventStream(StreamingResponse):
 
 def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "cost-aware",
                api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None,
-               max_concurrent_requests: int = 0) -> FastAPI:
+               max_concurrent_requests: int = 0, max_body_bytes: int = 4 << 20, keys: KeyRing | None = None,
+               limiter: Limiter | None = None) -> FastAPI:
     """The gateway over `backend`. max_concurrent_requests: generations in flight beyond which
-    a request is refused at once (503, Retry-After; 0: no limit). With api_keys, /v1 routes need `Authorization: Bearer <key>`;
-    /health and /metrics stay open for probes and Prometheus. /metrics serves `registry` (an
+    a request is refused at once (503, Retry-After; 0: no limit). max_body_bytes: a larger
+    request body is refused with 413 before it is read (0: no limit). With keys (a KeyRing) or
+    api_keys (static keys), /v1 routes need `Authorization: Bearer <key>`, checked before the body
+    is read, and each key's limits apply (limiter: shared by replicas through Redis; default: this
+    process's memory); without either the API is open. /health and /metrics stay open for probes
+    and Prometheus. /metrics serves `registry` (an
     in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,
                   description="OpenAI-compatible API over speculative decoding. Per-request speculation "
                               "settings go in the `speculative` body field; each response carries "
                               "`spec_stats` beside `usage` (in the final chunk when streaming).")
     metrics = GatewayMetrics(registry)
-    app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, frozenset(api_keys), metrics,
-                                int(time.time()), Admission(max_concurrent_requests))
+    if keys is None and api_keys:
+        keys = KeyRing(static_keys=sorted(api_keys))
+    auth = Auth(keys, limiter, metrics)
+    app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, auth, metrics, int(time.time()),
+                                Admission(max_concurrent_requests))
     app.include_router(v1)
     app.include_router(ops)
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app

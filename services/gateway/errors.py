@@ -26,6 +26,15 @@ class Unauthorized(Exception):
     """The request has no API key, or an unknown one."""
 
 
+class RateLimited(Exception):
+    """The request's API key is over one of its limits; kind: requests, tokens or concurrent
+    (OpenAI's error type: requests or tokens); headers: Retry-After and x-ratelimit-*."""
+
+    def __init__(self, message: str, kind: str, headers: dict[str, str]):
+        super().__init__(message)
+        self.kind, self.headers = kind, headers
+
+
 # Engine field name -> REST parameter name (exact names first, then prefixes).
 _PARAM_NAMES = {
     "max_new_tokens": "max_tokens",
@@ -34,6 +43,7 @@ _PARAM_NAMES = {
     "policy_params.max_draft_tokens": "speculative.max_draft_tokens",  # the engine merges it in
     "relaxed": "speculative.relaxed",
     "task_tag": "speculative.task_tag",
+    "policy_params": "speculative.params",
 }
 _PARAM_PREFIXES = {"policy_params.": "speculative.params."}
 # Parts of a pydantic error location that name a union member's type, not a field.
@@ -62,6 +72,9 @@ def describe(exc: Exception, request: Request) -> tuple[int, dict[str, Any]]:
         return 400, _body(message, "invalid_request_error", param)
     if isinstance(exc, Unauthorized):
         return 401, _body(str(exc), "invalid_request_error", code="invalid_api_key")
+    if isinstance(exc, RateLimited):
+        kind = "tokens" if exc.kind == "tokens" else "requests"  # OpenAI's types; concurrency counts requests
+        return 429, _body(str(exc), kind, code="rate_limit_exceeded")
     if isinstance(exc, Overloaded):  # a service is at capacity (KV slots): not this client's fault
         return 503, _body(str(exc) or "the server is at capacity; retry later", "server_error",
                           code="overloaded")
@@ -86,12 +99,24 @@ async def handle(request: Request, exc: Exception) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if status in (429, 503):  # refused at once: say when to come back rather than hold the client
         headers = {"Retry-After": RETRY_AFTER_S}
+    if isinstance(exc, RateLimited):
+        headers = exc.headers
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def too_large(max_bytes: int) -> HTTPException:
+    """The error for a request body over the gateway's limit (413)."""
+    return HTTPException(413, f"the request body is larger than this server's limit of {max_bytes} bytes")
+
+
+def too_large_response(max_bytes: int) -> JSONResponse:
+    exc = too_large(max_bytes)
+    return JSONResponse(_body(exc.detail, "invalid_request_error", code="request_too_large"), status_code=413)
+
+
 def install(app: FastAPI) -> None:
-    for exc_class in (InvalidRequest, RequestValidationError, Unauthorized, Overloaded, Unavailable,
-                      ClientDisconnect, HTTPException, Exception):
+    for exc_class in (InvalidRequest, RequestValidationError, Unauthorized, RateLimited, Overloaded,
+                      Unavailable, ClientDisconnect, HTTPException, Exception):
         app.add_exception_handler(exc_class, handle)
 
 

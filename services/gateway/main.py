@@ -1,26 +1,43 @@
 """`specd serve gateway`: the OpenAI-compatible REST gateway (FastAPI under uvicorn).
 
 It reaches a coordinator gRPC service when `coordinator_address` is set; otherwise it runs
-the coordinator in-process over the draft and target services (one hop fewer)."""
+the coordinator in-process over the draft and target services (one hop fewer).
+
+It listens at once; /health answers 503 until the backend has connected, which is retried with
+backoff (one log line per retry) for up to startup_timeout_s, after which the gateway exits
+non-zero. SIGTERM drains it (services.gateway.lifecycle) for up to drain_grace_s."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from services.common.settings import GatewaySettings
 
+log = logging.getLogger(__name__)
 
-async def build_backend(s: GatewaySettings, registry=None):
-    """The backend the routes call; an in-process coordinator puts its series on registry."""
+
+async def build_backend(s: GatewaySettings, registry=None, connect: bool = True):
+    """The backend the routes call; an in-process coordinator puts its series on registry. Its
+    gRPC links are secured by the gateway's security settings. connect=False: not connected yet."""
+    from services.common.security import GrpcSecurity
+
+    security = GrpcSecurity.from_settings(s)
+    peers = [s.coordinator_address] if s.coordinator_address else [s.target_address, s.draft_address]
+    security.check_dial(*peers)
     if s.coordinator_address:
         from services.coordinator.remote import RemoteBackend
 
-        backend = RemoteBackend(s.coordinator_address, s.request_timeout_s)
+        backend = RemoteBackend(s.coordinator_address, s.request_timeout_s, security)
     else:
         from services.common.state import build_state_store
         from services.coordinator.coordinator import Coordinator, CoordinatorConfig
 
-        cfg = CoordinatorConfig(s.target_address, s.draft_address or None, s.overlap, s.request_timeout_s)
+        cfg = CoordinatorConfig(s.target_address, s.draft_address or None, s.overlap, s.request_timeout_s,
+                                security=security)
         backend = Coordinator(cfg, build_state_store(s.redis_url), registry)
-    await backend.connect()
+    if connect:
+        await backend.connect()
     return backend
 
 
@@ -28,17 +45,35 @@ async def serve(s: GatewaySettings) -> None:
     import uvicorn
 
     from services.common.metrics import new_registry
+    from services.common.startup import retry_until_connected
+    from services.gateway import auth
     from services.gateway.app import create_app
+    from services.gateway.lifecycle import SHUTDOWN_TIMEOUT_S, DrainingServer
 
+    keys, limiter = await auth.from_settings(s)  # auth required and no key: refuses to start
     registry = new_registry()
-    backend = await build_backend(s, registry)
-    keys = frozenset(k.strip() for k in s.api_keys.split(",") if k.strip())
-    app = create_app(backend, max_tokens_limit=s.max_tokens_limit, default_policy=s.default_policy, api_keys=keys,
-                     registry=registry, max_concurrent_requests=s.max_concurrent_requests)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, lifespan="off")
-    server = uvicorn.Server(config)
+    backend = await build_backend(s, registry, connect=False)
+    app = create_app(backend, max_tokens_limit=s.max_tokens_limit, default_policy=s.default_policy, keys=keys,
+                     limiter=limiter, registry=registry, max_concurrent_requests=s.max_concurrent_requests,
+                     max_body_bytes=s.max_body_bytes)
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, lifespan="off",
+                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    server = DrainingServer(config, app.state.gateway.admission, s.drain_grace_s)
+    what = f"coordinator {s.coordinator_address}" if s.coordinator_address else f"target {s.target_address}"
+    connecting = asyncio.ensure_future(retry_until_connected(backend.connect, what, s.startup_timeout_s))
+
+    def connected(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("giving up: %s", task.exception())
+            server.should_exit = True
+
+    connecting.add_done_callback(connected)
     print(f"specd gateway listening on http://{s.host}:{s.port}", flush=True)
     try:
         await server.serve()
     finally:
+        connecting.cancel()
         await backend.close()
+        await app.state.gateway.auth.close()
+    if connecting.done() and not connecting.cancelled() and connecting.exception() is not None:
+        raise connecting.exception()

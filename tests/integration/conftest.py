@@ -62,7 +62,7 @@ class Stack:
             "coordinator": ["--target-address", self.address("target"),
                             "--draft-address", self.address("draft"), "--overlap", "true",
                             "--default-policy", "heuristic", *metrics["coordinator"]],
-            "gateway": ["--coordinator-address", self.address("coordinator")],
+            "gateway": ["--coordinator-address", self.address("coordinator"), "--auth", "open"],  # loopback
         }
         self.starts = dict.fromkeys(self.ports, 0)
 

@@ -33,6 +33,17 @@ def test_the_default_drafter_is_retrieval_where_a_datastore_ships(tmp_path):
     assert draft_flags("--drafter", "early-exit") == ("early-exit", True)
 
 
+def test_every_grpc_link_is_loopback_plaintext_chosen_explicitly():
+    """The gRPC services and the gateway (their client) get --insecure true; the trainer has no gRPC."""
+    plan = {name: flags for name, flags, _ in _plan(_args("--drafter", "early-exit", "--dvi",
+                                                          "--redis-url", "redis://r:6379/0"))}
+    for name in ("target", "draft", "coordinator", "gateway"):
+        assert plan[name][plan[name].index("--insecure") + 1] == "true", name
+    assert "--insecure" not in plan["trainer"]
+    addresses = [flags[i + 1] for flags in plan.values() for i, f in enumerate(flags) if f.endswith("-address")]
+    assert addresses and all(a.startswith("127.0.0.1:") for a in addresses)
+
+
 @pytest.mark.parametrize("argv", [["--dvi", "--redis-url", "redis://r"], ["--drafter", "early-exit", "--dvi"]])
 def test_dvi_needs_early_exit_and_redis(argv):
     with pytest.raises(SpecdError, match="--dvi needs"):
@@ -77,3 +88,10 @@ def test_a_second_interrupt_does_not_cut_the_shutdown_short(tmp_path):
         except ProcessLookupError:
             leaked = False
     assert not leaked
+
+
+def test_the_gateway_of_up_is_open_on_loopback():
+    """`specd serve gateway` requires an API key by default; `specd up` serves on loopback only,
+    without keys, and says so."""
+    flags = {name: flags for name, flags, _ in _plan(_args())}["gateway"]
+    assert flags[flags.index("--auth") + 1] == "open"

@@ -57,6 +57,15 @@ def test_grpc_not_serving_exits_1(grpc_service):
     assert main(["grpc", address]) == 1
 
 
+def test_liveness_stays_serving_while_readiness_is_not(grpc_service):
+    """A coordinator whose target is down is not ready, but alive: a liveness probe must not
+    restart it."""
+    run, health_servicer, address = grpc_service
+    run(mark_serving(health_servicer, [], serving=False))
+    assert main(["grpc", address]) == 1
+    assert main(["grpc", address, "--service", "liveness"]) == 0
+
+
 def test_grpc_closed_port_exits_1():
     assert main(["grpc", f"127.0.0.1:{_closed_port()}"]) == 1
 

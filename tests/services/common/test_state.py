@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from services.common.state import AsyncMemoryStateStore, RedisStateStore, build_state_store
+from services.common.state import STATE_TTL_S, AsyncMemoryStateStore, RedisStateStore, build_state_store
 from specd.errors import Unavailable
 from specd.state import StateKey
 
@@ -154,22 +154,132 @@ def test_odd_characters_round_trip(redis_url):
     assert asyncio.run(run()) == [{"odd field|": float(i)} for i in range(len(keys))]
 
 
-def test_unreachable_redis_raises_unavailable_quickly():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_unreachable_redis_loads_nothing_quickly_and_never_raises(caplog):
+    port = _free_port()
     url = f"redis://user:s3cret@127.0.0.1:{port}/0"
 
     async def run():
         store = RedisStateStore(url)
         try:
-            for call in (store.ping(), store.load(KEY), store.save(KEY, {"k": 1.0})):
-                with pytest.raises(Unavailable) as e:
-                    await call
-                assert f"127.0.0.1:{port}" in str(e.value) and "s3cret" not in str(e.value)
+            with pytest.raises(Unavailable) as e:  # health checks still learn that Redis is down
+                await store.ping()
+            assert f"127.0.0.1:{port}" in str(e.value) and "s3cret" not in str(e.value)
+            assert await store.load(KEY) == {}
+            assert store.breaker.is_open
+            await store.save(KEY, {"k": 1.0})  # skipped during the cool-down: no error
         finally:
             await store.close()
 
     start = time.monotonic()
     asyncio.run(run())
     assert time.monotonic() - start < 3
+    assert f"127.0.0.1:{port}" in caplog.text and "s3cret" not in caplog.text
+
+
+def _commands(url: str) -> dict[str, int]:
+    """Calls per command since the server started (INFO commandstats)."""
+    with redis.Redis.from_url(url) as raw:
+        return {name.removeprefix("cmdstat_"): v["calls"] for name, v in raw.info("commandstats").items()}
+
+
+def test_breaker_skips_a_failed_redis_then_tries_again(redis_server, redis_url):
+    async def save():
+        store = RedisStateStore(redis_url)
+        await store.save(KEY, {"k": 2.0})
+        await store.close()
+
+    asyncio.run(save())
+    with redis.Redis.from_url(redis_url) as raw:
+        raw.save()
+    redis_server.stop()
+
+    async def run():
+        store = RedisStateStore(redis_url, cooldown_s=1.0)
+        try:
+            assert await store.load(KEY) == {}  # Redis down: no state, no error
+            redis_server.start(redis_server.port)  # back (same data), but within the cool-down
+            assert await store.load(KEY) == {}
+            await store.save(KEY, {"k": 3.0})
+            assert "hgetall" not in _commands(redis_url) and "hset" not in _commands(redis_url)
+            await asyncio.sleep(1.1)
+            assert await store.load(KEY) == {"k": 2.0}  # one probe after the cool-down: closed again
+            await store.save(KEY, {"k": 3.0})
+            assert await store.load(KEY) == {"k": 3.0}
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if redis_server.proc is None:
+            redis_server.start(redis_server.port)
+
+
+@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory"])
+def test_redis_refusing_writes_drops_the_save(redis_server, redis_url, refusal):
+    """READONLY (a master turned replica by a failover) and OOM (maxmemory) refuse writes."""
+    with redis.Redis.from_url(redis_url) as raw:
+        raw.hset(RedisStateStore(redis_url).key(KEY), mapping={"k": "4.0"})
+        if refusal == "read-only replica":
+            raw.execute_command("REPLICAOF", "127.0.0.1", str(_free_port()))
+        else:
+            raw.config_set("maxmemory", "1")
+        try:
+            async def run():
+                store = RedisStateStore(redis_url, cooldown_s=0)
+                try:
+                    await store.save(KEY, {"k": 5.0})  # refused: dropped with a warning
+                    assert store.breaker.is_open
+                    return await store.load(KEY)
+                finally:
+                    await store.close()
+
+            assert asyncio.run(run()) == {"k": 4.0}  # reads still work; the refused write changed nothing
+        finally:
+            raw.execute_command("REPLICAOF", "NO", "ONE")
+            raw.config_set("maxmemory", "0")
+
+
+def test_corrupt_values_load_as_no_state_and_a_save_repairs_them(redis_url, caplog):
+    async def run(prepare):
+        store = RedisStateStore(redis_url)
+        key = store.key(KEY)
+        try:
+            with redis.Redis.from_url(redis_url) as raw:
+                raw.delete(key)
+                prepare(raw, key)
+            assert await store.load(KEY) == {}
+            assert not store.breaker.is_open  # Redis answered: only this key is bad
+            await store.save(KEY, {"k": 6.0})
+            return await store.load(KEY)
+        finally:
+            await store.close()
+
+    assert asyncio.run(run(lambda raw, key: raw.hset(key, mapping={"k": "abc", "t": "0.5"}))) == {"k": 6.0}
+    assert "not a float" in caplog.text
+    assert asyncio.run(run(lambda raw, key: raw.rpush(key, "a", "b"))) == {"k": 6.0}  # WRONGTYPE
+    assert "not a hash" in caplog.text
+
+
+def test_saved_keys_expire_and_a_save_refreshes_the_ttl(redis_url):
+    async def run(ttl_s):
+        store = RedisStateStore(redis_url, ttl_s=ttl_s)
+        try:
+            await store.save(KEY, {"k": 1.0})
+            return store.key(KEY)
+        finally:
+            await store.close()
+
+    key = asyncio.run(run(100))
+    with redis.Redis.from_url(redis_url) as raw:
+        assert 90 < raw.ttl(key) <= 100
+        raw.expire(key, 5)
+    asyncio.run(run(STATE_TTL_S))
+    with redis.Redis.from_url(redis_url) as raw:
+        assert STATE_TTL_S - 10 < raw.ttl(key) <= STATE_TTL_S == 30 * 24 * 3600

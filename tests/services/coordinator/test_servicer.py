@@ -37,7 +37,7 @@ N = 24
 @pytest.fixture(scope="module")
 def coordinator_service(service_loop, target_service, hf_draft_service):
     settings = CoordinatorSettings(port=0, target_address=target_service.address,
-                                   draft_address=hf_draft_service.address)
+                                   draft_address=hf_draft_service.address, reflection=True)
 
     async def up():  # the Coordinator's channels belong to the loop that serves it
         coordinator = Coordinator(CoordinatorConfig(settings.target_address, settings.draft_address),
