@@ -64,7 +64,7 @@ def strip(text: str) -> str:
     without pip-tools' closing note about torch (installed before, on purpose)."""
     out, skipping = [], False
     for line in text.splitlines():
-        if line.startswith("# WARNING") or line.startswith("# The following packages"):
+        if line.startswith(("# WARNING", "# The following packages")):
             break
         head = re.match(r"([A-Za-z0-9_.-]+)==", line)
         if head:

@@ -15,7 +15,6 @@ health, checked over the coordinator's own channel with a short timeout.
 from __future__ import annotations
 
 import asyncio
-import asyncio
 import dataclasses
 import logging
 import tempfile

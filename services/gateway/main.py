@@ -50,7 +50,14 @@ async def serve(s: GatewaySettings) -> None:
     from services.gateway.app import create_app
     from services.gateway.lifecycle import SHUTDOWN_TIMEOUT_S, DrainingServer
 
-    keys, limiter = await auth.from_settings(s)  # auth required and no key: refuses to start
+    # Auth required and no key: refuses to start. A key store (Redis) not up yet is waited for.
+    found = []
+
+    async def keys_ready() -> None:
+        found.append(await auth.from_settings(s))
+
+    await retry_until_connected(keys_ready, "the API key store", s.startup_timeout_s)
+    keys, limiter = found[0]
     registry = new_registry()
     backend = await build_backend(s, registry, connect=False)
     app = create_app(backend, max_tokens_limit=s.max_tokens_limit, default_policy=s.default_policy, keys=keys,

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -47,6 +48,31 @@ class _Server:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+def serve_on_loop(app, loop) -> tuple[str, Callable[[], None]]:
+    """(base URL, stop) of app served by uvicorn on `loop` (a tests.services.conftest.LoopThread):
+    the loop its backend was built on, since grpc.aio channels belong to one loop."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            httpx.get(url + "/health", timeout=1)  # any answer: the server is up
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and not serving.done(), "the gateway did not come up in 20 s"
+            time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        serving.result(10)
+        sock.close()
+
+    return url, stop
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,9 @@ own OpenAPI schema in both topologies: no generated request gets a 5xx."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import time
-
 import grpc
 import httpx
 import pytest
-import uvicorn
 
 from clients.specd_client import build_request
 from services.common.metrics import new_registry
@@ -26,6 +21,7 @@ from services.coordinator.remote import RemoteBackend
 from services.gateway import create_app
 from services.proto.specd.coordinator.v1 import coordinator_pb2_grpc
 from tests.services.conftest import LoopThread
+from tests.services.gateway.conftest import serve_on_loop
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -54,26 +50,12 @@ def remote_gateway(service_loop, target_service, ngram_draft_service):
         return backend
 
     backend = loop.run(backend_up())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     app = create_app(backend, max_tokens_limit=MAX_TOKENS_LIMIT, registry=new_registry())
-    gateway = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    serving = asyncio.run_coroutine_threadsafe(gateway.serve(sockets=[sock]), loop.loop)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            httpx.get(url + "/health", timeout=1)
-            break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline and not serving.done(), "the gateway did not come up"
-            time.sleep(0.05)
+    url, stop = serve_on_loop(app, loop)
     yield {"url": url, "coordinator": f"127.0.0.1:{port}"}
-    gateway.should_exit = True
-    serving.result(10)
+    stop()
     loop.run(backend.close())
     loop.stop()
-    sock.close()
     service_loop.run(server.stop(0))
     service_loop.run(coordinator.close())
 

@@ -6,15 +6,12 @@ SDK parses both kinds of answer."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from services.common.metrics import new_registry
 from services.common.state import AsyncMemoryStateStore
@@ -23,6 +20,7 @@ from services.gateway import create_app
 from specd.engine import SpeculativeEngine
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import LoopThread
+from tests.services.gateway.conftest import serve_on_loop
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "abcabc abc"}]
@@ -43,27 +41,15 @@ def services_gateway(target_service, hf_draft_service):
         return coordinator
 
     coordinator = loop.run(connect())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(coordinator, registry=registry), log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=2))
-    serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)
+    url, stop = serve_on_loop(create_app(coordinator, registry=registry), loop)
     deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).json()["status"] == "ok":
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and not serving.done(), "the gateway did not come up in 20 s"
+    while httpx.get(url + "/health", timeout=1).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the gateway's backend was not ready in 20 s"
         time.sleep(0.05)
     yield url
-    server.should_exit = True
-    serving.result(10)
+    stop()
     loop.run(coordinator.close())
     loop.stop()
-    sock.close()
 
 
 @pytest.fixture(scope="module")
