@@ -84,10 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_bench_merge(sub)
     _add_bench_dvi(sub)
-    from services.cli import add_commands  # serve and up: the service processes
-
-    add_commands(sub)
+    _add_plugin_commands(sub)
     return parser
+
+
+COMMANDS_GROUP = "specd.commands"
+
+
+def _add_plugin_commands(sub) -> None:
+    """Commands that other packages add to `specd`: each entry point of the group
+    COMMANDS_GROUP is a function taking the subparsers. The services package adds its verbs
+    (serve, up, keys, bench-load, ...) this way (pyproject.toml), so the core imports none of
+    it; one that cannot be imported (e.g. grpc missing) is left out with a note."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            add = ep.load()
+        except ImportError as e:
+            print(f"specd: the {ep.name} commands are unavailable: {e}", file=sys.stderr)
+            continue
+        add(sub)
 
 
 def _add_generate(sub) -> None:

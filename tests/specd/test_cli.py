@@ -161,3 +161,31 @@ def test_bench_dvi_smoke(tiny_dirs, specd_cli, tmp_path):
     code, _, err = specd_cli(["bench-dvi", "--target-model", str(tiny_dirs[0]), "--dataset", str(data),
                               "--drafter", "ngram", "--out", str(out)])
     assert code == 2 and "drafter" in err
+
+
+def test_the_core_imports_no_service_and_no_grpc():
+    """specd/ stands alone: every module imports with grpc and the services package blocked,
+    and `specd generate --help` still works (the service verbs are left out with a note)."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, pkgutil, sys
+sys.modules["grpc"] = None
+sys.modules["services"] = None
+import specd
+for m in pkgutil.walk_packages(specd.__path__, "specd."):
+    if m.name != "specd.__main__":  # that one runs the command
+        importlib.import_module(m.name)
+assert not any(name.startswith(("services", "grpc")) and sys.modules[name] is not None
+               for name in sys.modules), "a service module was imported"
+from specd.cli import main
+try:
+    main(["generate", "--help"])
+except SystemExit as e:
+    assert e.code == 0
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: specd generate" in out.stdout
+    assert "the services commands are unavailable" in out.stderr
