@@ -35,7 +35,7 @@ Histograms:
                                           verification's gap shared evenly by the tokens it emitted
 Gauges:
   specd_policy_state{task_tag, key}       the adaptive policy's state after the latest request
-                                          (the thresholds: `lam` of svip/adaedl, `k` of heuristic,
+                                          (the thresholds: `lam` of max-confidence/adaedl, `k` of heuristic,
                                           `rej_h_sum`/`rej_n` of adasd)
   specd_active_sessions{service="coordinator"}
 
