@@ -32,13 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from specd.cli import DATASET_HELP
 from specd.errors import SpecdError
 
 
 def add_command(sub) -> None:
     b = sub.add_parser("bench-services", help="benchmark the split services (and PEARL) against the "
                                               "in-process engine")
-    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    b.add_argument("--dataset", type=Path, help=DATASET_HELP)
     b.add_argument("--limit", type=int, default=5)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--drafter", default="ngram", help="ngram | retrieval | early-exit")
@@ -71,7 +72,7 @@ def _start(name: str, flags: list[str], core: int | None, log_dir: Path) -> tupl
 def cmd_bench_services(args) -> int:
     import torch
 
-    from specd.bench.datasets import load_questions
+    from specd.bench.datasets import dataset_label, load_questions
     from specd.drafters import build_drafter
     from specd.engine import SpeculativeEngine
     from specd.models import load_model
@@ -97,7 +98,8 @@ def cmd_bench_services(args) -> int:
             p.terminate()
             p.wait(10)
     doc = {"command": " ".join(["specd", *sys.argv[1:]]), "pinned": pin, "drafter": drafter.name, "target": target.name,
-           "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
+           "dataset": dataset_label(args.dataset), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
     (args.out / "report.md").write_text(_report(doc))
@@ -167,7 +169,7 @@ async def _through_services(coord, prompt, sampling, policy, overlap) -> tuple[f
 
 def _report(doc: dict) -> str:
     lines = [f"# bench-services: {doc['drafter']} drafting for {doc['target']}",
-             f"{doc['prompts']} prompts x {doc['max_new_tokens']} tokens, greedy; target and draft pinned to "
+             f"{doc['prompts']} prompts of {doc.get('dataset', 'the dataset')} x {doc['max_new_tokens']} tokens, greedy; target and draft pinned to "
              f"their own cores: {doc['pinned']}. Speedup: median over prompts of tok/s over `ar` (in-process "
              "target alone, one thread on the target's core) in the same run.", "",
              "| configuration | tok/s | median speedup | identical to ar | waited on draft (s) | "

@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specd.cli import DATASET_HELP
 from specd.errors import InvalidRequest, SpecdError
 
 PERCENTILES = (50, 95, 99)
@@ -48,7 +49,7 @@ PERCENTILES = (50, 95, 99)
 def add_command(sub) -> None:
     b = sub.add_parser("bench-load", help="the gateway under concurrent load: throughput and latency by "
                                           "concurrency or arrival rate, with speculation and without")
-    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line (first turns used)")
+    b.add_argument("--dataset", type=Path, help=DATASET_HELP + "; first turns used")
     b.add_argument("--limit", type=int, default=16, help="prompts (each load level answers every one once)")
     b.add_argument("--offset", type=int, default=0, help="questions skipped first")
     b.add_argument("--max-tokens", type=int, default=128)
@@ -402,7 +403,7 @@ def cmd_bench_load(args) -> int:
     import tempfile
 
     from services.cli import _free_port, _plan, _stop, start_stack
-    from specd.bench.datasets import load_questions
+    from specd.bench.datasets import dataset_label, load_questions
 
     modes = _csv(args.modes)
     if not modes:
@@ -432,6 +433,7 @@ def cmd_bench_load(args) -> int:
     finally:
         _stop(procs)
     doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    doc["settings"]["dataset"] = dataset_label(args.dataset)
     doc["machine"], doc["server"] = _machine(), server
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))

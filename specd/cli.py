@@ -15,6 +15,10 @@ from pathlib import Path
 from specd import __version__
 from specd.errors import InvalidRequest, SpecdError
 
+# --dataset of every bench command (specd.bench.datasets reads it; importing that here would load torch)
+DATASET_HELP = ("JSONL with a 'turns' list per line, as MT-bench's question.jsonl; 'built-in' or left out: "
+                "the 40 prompts bundled in specd/data/prompts.jsonl")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not usage + message
@@ -201,7 +205,7 @@ def _add_train_drafter(sub) -> None:
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmark policies, drafters and peers (results.json, report.md, PNGs)")
     _add_model_args(b)
-    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    b.add_argument("--dataset", type=Path, help=DATASET_HELP)
     b.add_argument("--turn", choices=["1", "2", "all"], default="1",
                    help="2 replays the target's first answer as a conversation")
     b.add_argument("--limit", type=int, help="questions to use (default: all)")
@@ -239,7 +243,7 @@ def _add_bench_dvi(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model_args(b)
     b.set_defaults(drafter="early-exit")
-    b.add_argument("--dataset", type=Path, required=True, help="JSONL with a 'turns' list per line")
+    b.add_argument("--dataset", type=Path, help=DATASET_HELP)
     b.add_argument("--limit", type=int, help="prompts in the stream (default: all)")
     b.add_argument("--policy", default="constant", help="stopping policy of the speculative runs")
     b.add_argument("--max-draft-tokens", type=int, help="cap on tokens per window (default: the policy's)")
@@ -416,7 +420,7 @@ def _write_datastore(target, corpus, out: Path, started: float) -> int:
 
 
 def cmd_bench_dvi(args) -> int:
-    from specd.bench.datasets import bench_prompts, load_questions, messages
+    from specd.bench.datasets import bench_prompts, dataset_label, load_questions, messages
     from specd.bench.dvi import run_dvi_bench, write_dvi_outputs
     from specd.bench.report import machine_info
     from specd.dvi import TrainerConfig
@@ -435,7 +439,7 @@ def cmd_bench_dvi(args) -> int:
     prompts = [target.encode_prompt(messages(p, None), True) for p in bench_prompts(questions, "1")]
     doc = run_dvi_bench(target, drafter, prompts, sampling, spec, config, args.updates_per_record)
     doc |= {"command": " ".join(["specd", *sys.argv[1:]]), "drafter": drafter.name, "target": target.name,
-            "dataset": str(args.dataset), "config": vars(config), "machine": machine_info(target),
+            "dataset": dataset_label(args.dataset), "config": vars(config), "machine": machine_info(target),
             "sampling": {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed},
             "policy": args.policy}
     for path in write_dvi_outputs(doc, args.out):

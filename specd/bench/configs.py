@@ -24,7 +24,7 @@ ORACLE_SKIP = "the oracle needs a reproducible target output: greedy, or sampled
 
 @dataclass(frozen=True)
 class BenchSettings:
-    dataset: Path
+    dataset: Path | None = None  # None: the built-in set (specd.bench.datasets)
     turn: str = "1"
     limit: int | None = None
     policies: tuple[str, ...] | None = None  # None: every policy except oracle

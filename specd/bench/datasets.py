@@ -1,6 +1,11 @@
 """Benchmark prompts: JSONL files with a `turns` list of user messages per line (MT-bench,
 Zheng et al. 2023; the Alpaca set in ../shared/datasets uses the same shape).
 
+Without a path the bench commands run on the built-in set, specd/data/prompts.jsonl: 40 prompts
+written for specd, 5 in each of 8 categories (writing, knowledge, summarization, translation,
+math, coding, extraction, roleplay), each with a second turn; half of them give a text to work on
+(a passage, table, code or sentences to translate; prompts of 65-300 words) that answers copy from.
+
 A second turn is a conversation: [user t1, assistant answer1, user t2], where answer1 is the
 target's own answer to t1, generated once before timing starts (BenchRun.encode_prompts).
 """
@@ -14,6 +19,18 @@ from pathlib import Path
 from specd.errors import InvalidRequest
 
 TURN_CHOICES = ("1", "2", "all")
+BUILTIN = "built-in"  # what results record for the built-in set; --dataset built-in also names it
+BUILTIN_PATH = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+
+
+def dataset_path(dataset: str | Path | None) -> Path:
+    """The file to read: the built-in set for None or "built-in", else the path given."""
+    return BUILTIN_PATH if dataset is None or str(dataset) == BUILTIN else Path(dataset)
+
+
+def dataset_label(dataset: str | Path | None) -> str:
+    """What results and reports record: "built-in" or the path as given."""
+    return BUILTIN if dataset is None or str(dataset) == BUILTIN else str(dataset)
 
 
 @dataclass(frozen=True)
@@ -37,10 +54,12 @@ class BenchPrompt:
         return f"{self.qid}#t{self.turn}"
 
 
-def load_questions(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Question]:
-    """Parse the JSONL file; a bad line raises InvalidRequest naming path:line. offset skips that
-    many questions first (they are still parsed), so a long set can be run in parts."""
-    path = Path(path)
+def load_questions(path: str | Path | None = None, limit: int | None = None,
+                   offset: int = 0) -> list[Question]:
+    """Parse the JSONL file (None: the built-in set); a bad line raises InvalidRequest naming
+    path:line. offset skips that many questions first (they are still parsed), so a long set can
+    be run in parts."""
+    path = dataset_path(path)
     if not path.is_file():
         raise InvalidRequest("dataset", f"{path}: no such file")
     out: list[Question] = []

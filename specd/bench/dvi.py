@@ -104,7 +104,8 @@ def write_dvi_outputs(doc: dict, out: Path) -> list[Path]:
     s = doc["summary"]
     lines = [f"# DVI online learning: {doc['drafter']} on {doc['target']}", "",
              f"`{doc['command']}`", "",
-             (f"{len(doc['rows'])} prompts, {doc['records']} records, {doc['updates']} updates, "
+             (f"{len(doc['rows'])} prompts of `{doc.get('dataset', '?')}`, {doc['records']} records, "
+              f"{doc['updates']} updates, "
               f"{doc['wall_time_s']} s. Output identical to target-only decoding on every prompt: "
               f"{'yes' if s['identical'] else 'NO'}."), "",
              "| prompts | n | acceptance (live) | agreement (learning) | agreement (frozen, same prompts) |",

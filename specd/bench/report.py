@@ -15,6 +15,7 @@ import torch
 
 from specd.bench.configs import BASELINE
 from specd.bench.contention import summarize as contention_summary
+from specd.bench.datasets import dataset_label
 from specd.bench.metrics import aggregate
 from specd.bench.peers import sklearn_available
 from specd.costs import cpu_model
@@ -40,6 +41,7 @@ def results_doc(run, oracle: dict) -> dict:
     configs = [c.to_dict() for c in run.configs]
     add_oracle_fractions(aggregates, configs, oracle)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run.s).items()}
+    settings["dataset"] = dataset_label(run.s.dataset)
     return {
         "machine": machine_info(run.m.target),
         "command": list(sys.argv),
@@ -94,9 +96,10 @@ def report_md(doc: dict) -> str:
     """One table, configurations as rows, plus the skipped configs, oracle bounds and gaps."""
     m, s = doc["machine"], doc["settings"]
     skipped = f" (from question {s['offset'] + 1} of the set on)" if s.get("offset") else ""
+    dataset = f" of `{s['dataset']}`" if s.get("dataset") else ""
     lines = [
         "# specd bench", "",
-        f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts{skipped} × "
+        f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts{dataset}{skipped} × "
         f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}. "
         f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['device']} {m['dtype']}, "
         f"{m.get('linear_kernels', 'torch')} linear kernels, {m.get('forward', 'hf')} forward, torch {m['torch']}, transformers {m['transformers']}.", "",

@@ -153,7 +153,7 @@ def test_bench_dvi_smoke(tiny_dirs, specd_cli, tmp_path):
                                    "--out", str(out)])
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
-    assert len(doc["rows"]) == 3 and doc["rows"][0]["updates"] == 0
+    assert len(doc["rows"]) == 3 and doc["rows"][0]["updates"] == 0 and doc["dataset"] == str(data)
     assert doc["updates"] == doc["records"] > 0  # one update per logged record
     assert {"acceptance_rate", "agreement", "agreement_frozen", "identical"} <= doc["rows"][0].keys()
     assert all(r["identical"] for r in doc["rows"]) and doc["summary"]["identical"]

@@ -122,7 +122,8 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     doc = json.loads((out / "results.json").read_text())
     assert [p["key"] for p in doc["prompts"]] == ["1#t1", "1#t2"]  # --offset 1: the second question
     assert doc["settings"]["offset"] == 1
-    assert "2 prompts (from question 2 of the set on)" in (out / "report.md").read_text()
+    assert doc["settings"]["dataset"] == str(dataset)
+    assert f"2 prompts of `{dataset}` (from question 2 of the set on)" in (out / "report.md").read_text()
     assert doc["prompts"][1]["prompt_tokens"] > doc["prompts"][0]["prompt_tokens"]
     skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
     assert set(skipped) == {"ngram/specdec++", "ngram/specdec++/tree", "hf-heuristic"}
@@ -183,3 +184,18 @@ def test_hybrid_bound_counts_its_side_branches(tiny_dirs, dataset, tmp_path, spe
     for rec, base in zip(bound["per_prompt"], doc["records"]["ar"]):
         assert rec["new_tokens"] == base["new_tokens"]
         assert rec["drafted"] <= sum(rec["draft_lengths"])  # never more draft steps than kept tokens
+
+
+def test_bench_runs_the_built_in_set_without_dataset(tiny_dirs, tmp_path, specd_cli):
+    """No --dataset: the bundled prompts (specd/data/prompts.jsonl), recorded as "built-in"."""
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, "unused", out, "--limit", "3", "--policies", "constant", "--baselines", "ar")
+    del argv[1:3]  # --dataset PATH
+    assert "--dataset" not in argv
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["dataset"] == "built-in"
+    assert [p["key"] for p in doc["prompts"]] == ["1#t1", "2#t1", "3#t1"]
+    assert doc["aggregates"]["hf/constant"]["identical"] is True
+    assert "3 prompts of `built-in`" in (out / "report.md").read_text()
