@@ -1,13 +1,14 @@
 # Two commands for a fresh machine (see README):
 #   make up    install everything and run specd on the embedded model
 #   make test  install everything and run the test suite
+#   make test-fast  the unit tests alone (no real model, no other program), for development
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install system-deps up test clean protos
+.PHONY: install system-deps up test test-fast clean protos
 
 install: $(VENV)/.installed
 
@@ -44,6 +45,10 @@ protos: install
 
 test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+
+# Unit tests only: tiny models, no real model, no other program started, no statistical tests.
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not embedded and not external and not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

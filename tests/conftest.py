@@ -10,6 +10,21 @@ from specd.models.tiny import loaded, perturbed, save_tiny, tiny_llama
 
 torch.set_num_threads(2)
 
+# Fixtures that start another program: their tests are not unit tests (`make test-fast` skips them).
+EXTERNAL_FIXTURES = {"redis_server", "redis_url"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers from what a test uses, so that none is forgotten: `embedded` for every test of
+    the real model, `external` for every test that starts another program (redis-server,
+    prometheus, `specd serve` processes: tests/integration, the Redis fixtures)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if "embedded" in names:
+            item.add_marker(pytest.mark.embedded)
+        if names & EXTERNAL_FIXTURES or "integration" in item.path.parts:
+            item.add_marker(pytest.mark.external)
+
 
 @pytest.fixture(scope="session")
 def tiny_target():

@@ -78,6 +78,7 @@ def family(name: str) -> str:
 
 # -- Prometheus ------------------------------------------------------------------------------------
 
+@pytest.mark.external  # runs promtool
 def test_prometheus_config_is_valid():
     assert_ok(promtool("check", "config", PROMETHEUS_YML))
 
@@ -95,6 +96,7 @@ def test_prometheus_config_scrapes_every_process():
         assert jobs[name].get("metrics_path", "/metrics") == "/metrics"
 
 
+@pytest.mark.external  # runs promtool
 def test_alert_rules_are_valid():
     assert_ok(promtool("check", "rules", ALERTS))
 
@@ -114,6 +116,7 @@ def test_alert_rules_are_complete():
     assert rules["SpecdSpeculationSlower"]["for"] == "30m"
 
 
+@pytest.mark.external  # runs promtool
 def test_alerts_fire_on_unhealthy_series_only():
     """tests/deploy/alerts_test.yml: each alert on synthetic series, firing and quiet cases."""
     assert_ok(promtool("test", "rules", ALERTS_TEST))
@@ -135,6 +138,7 @@ def mutate_alert(tmp_path: Path, alert: str, old: str, new: str) -> Path:
     return test
 
 
+@pytest.mark.external  # runs promtool
 @pytest.mark.parametrize("alert,old,new", [
     ("SpecdDraftFallbacks", "> 0.05", "> 0.5"),  # too lax: misses 10% fallbacks
     ("SpecdDraftFallbacks", "> 0.05", "> 0.001"),  # too strict: fires on the healthy series
@@ -147,6 +151,7 @@ def test_alert_unit_tests_catch_a_wrong_threshold(tmp_path, alert, old, new):
     assert f"alertname: {alert}" in result.stdout + result.stderr
 
 
+@pytest.mark.external  # runs promtool
 def test_every_expression_parses(tmp_path):
     """promtool parses each dashboard expression (as a recording rule) after substitution."""
     rules = [{"record": f"specd:dashboard_check:{i}", "expr": expr} for i, expr in enumerate(dashboard_expressions())]

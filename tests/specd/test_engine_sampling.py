@@ -31,6 +31,8 @@ V = 16
 PROMPT = [3, 7, 1, 12]
 RUNS = 2000
 
+pytestmark = pytest.mark.slow  # statistical tests: thousands of samples each
+
 
 @pytest.fixture(scope="module")
 def pair():

@@ -14,12 +14,15 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.server import channel
 from services.proto.specd.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
+
+pytestmark = pytest.mark.external  # real `specd serve` processes
 
 
 def free_port() -> int:

@@ -102,6 +102,7 @@ def generate_all(addresses, requests) -> list[tuple[list[int], dict]]:
     return asyncio.run(run())
 
 
+@pytest.mark.slow  # a statistical test: thousands of samples
 def test_pearl_sampling_follows_the_target(services, pair):
     target, draft = pair
     prompt = target.encode_prompt("ab", chat=False)

@@ -209,6 +209,7 @@ def _fuzz(url: str, examples: int) -> None:
     assert sum(statuses.values()) >= examples // 2 and 200 in statuses and 400 in statuses, statuses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["in-process", "services"])
 def test_fuzzing_from_the_openapi_schema_finds_no_5xx(request, topology):
     name = "local_gateway" if topology == "in-process" else "remote_gateway"
