@@ -178,17 +178,15 @@ class GrpcSecurity:
 
     # -- client side ----------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials of a client (with the token as call credentials), or None for plaintext."""
+        """TLS credentials of a client, or None for plaintext. The token is not among them: client
+        interceptors add it to every call, over TLS or not (call credentials would run a Python
+        plugin on a thread of its own for every call; scripts/grpc_tls_cost.py measures both)."""
         if not self.tls:
             return None
-        creds = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             root_certificates=_read(self.tls_ca) if self.tls_ca else None,
             private_key=_read(self.tls_key) if self.tls_key else None,
             certificate_chain=_read(self.tls_cert) if self.tls_cert else None)
-        if self.auth_token:
-            creds = grpc.composite_channel_credentials(
-                creds, grpc.metadata_call_credentials(_TokenPlugin(self.auth_token), name="specd-token"))
-        return creds
 
     def channel_options(self, options: Sequence[tuple[str, object]] = ()) -> list[tuple[str, object]]:
         extra = [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
@@ -197,17 +195,15 @@ class GrpcSecurity:
     def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """A grpc.aio channel to address (open it on the loop that will use it)."""
         creds, opts = self.channel_credentials(), self.channel_options(options)
-        if creds is not None:
-            return grpc.aio.secure_channel(address, creds, options=opts)
         interceptors = _aio_token_interceptors(self.auth_token) if self.auth_token else None
+        if creds is not None:
+            return grpc.aio.secure_channel(address, creds, options=opts, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         """A blocking grpc channel to address."""
         creds, opts = self.channel_credentials(), self.channel_options(options)
-        if creds is not None:
-            return grpc.secure_channel(address, creds, options=opts)
-        ch = grpc.insecure_channel(address, options=opts)
+        ch = grpc.secure_channel(address, creds, options=opts) if creds else grpc.insecure_channel(address, options=opts)
         return grpc.intercept_channel(ch, _SyncTokenInterceptor(self.auth_token)) if self.auth_token else ch
 
 
@@ -268,16 +264,6 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 # -- the token, client side ---------------------------------------------------------------------
 
-class _TokenPlugin(grpc.AuthMetadataPlugin):
-    """Call credentials: the token on every call of a TLS channel."""
-
-    def __init__(self, token: str):
-        self.metadata = ((AUTH_METADATA, _bearer(token)),)
-
-    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
-        callback(self.metadata, None)
-
-
 def _with_token(details, token: str):
     metadata = grpc.aio.Metadata(*(details.metadata or ()), (AUTH_METADATA, _bearer(token)))
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
@@ -310,8 +296,8 @@ class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
 
 
 def _aio_token_interceptors(token: str) -> list:
-    """The token on a plaintext grpc.aio channel, where gRPC refuses call credentials (one
-    interceptor per call kind: grpc.aio files each under one kind only)."""
+    """The token on a grpc.aio channel (one interceptor per call kind: grpc.aio files each under
+    one kind only)."""
     return [cls(token) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
@@ -323,7 +309,7 @@ class _SyncDetails(collections.namedtuple("_SyncDetails", ("method", "timeout", 
 
 class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """The token on a plaintext blocking channel."""
+    """The token on a blocking channel."""
 
     def __init__(self, token: str):
         self.pair = (AUTH_METADATA, _bearer(token))
