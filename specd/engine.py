@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specd.costs import CostCurve, cached_cost_curve, measure_cost_curve
+from specd.detok import TextStream, first_stop
 from specd.drafters.base import Drafter
 from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
@@ -31,10 +32,12 @@ from specd.policies import (
     Decision,
     PolicyResources,
     StoppingPolicy,
-    build_policy,
-    policy_class,
+    check_drafter,
+    check_spec,
+    request_policy,
 )
-from specd.sampling import logits_to_probs, race_scores
+from specd.round import commit_tokens
+from specd.sampling import logits_to_probs, race_scores, request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
 from specd.tree import DraftTree, choose_branches, verify_tree_greedy, verify_tree_sampling
@@ -125,10 +128,7 @@ class GenerationRun:
         self.seq = prompt  # committed tokens; drafts are appended during a round
         self.prompt_len = len(prompt)
         self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
-        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
-        if not sampling.greedy and not sampling.coupled:
-            self.generator = torch.Generator(device=target.device)
-            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        self.generator = request_generator(sampling, target.device)
         self.target_kv = target.session()
         self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
@@ -136,35 +136,24 @@ class GenerationRun:
         self.tree_gain = TREE_GAIN_PRIOR
         self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
+        # Stop strings, found incrementally in the text of each round's new tokens.
+        self.stops = TextStream(target.tokenizer, sampling.stop) if sampling.stop else None
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
 
     # -- setup ------------------------------------------------------------------------------
     def _build_policy(self, reference) -> tuple[StoppingPolicy | None, Drafter | None]:
         spec, engine = self.spec, self.engine
+        check_spec(spec, self.sampling, oracle=True)
         if spec.policy == NO_SPECULATION:
-            if spec.relaxed:
-                raise InvalidRequest("relaxed", "relaxed verification needs the adasd policy")
             return None, None
         if engine.drafter is None:
             raise InvalidRequest("policy", f"policy {spec.policy!r} needs a drafter; use policy 'none' "
                                            "to decode with the target alone")
-        if spec.relaxed and spec.policy != "adasd":
-            raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
-        if spec.relaxed and not engine.drafter.has_distribution:
-            raise InvalidRequest("relaxed", "relaxed verification needs a drafter with a distribution")
-        if spec.policy == "oracle" and not (self.sampling.greedy or self.sampling.coupled):
-            raise InvalidRequest("policy", "the oracle policy needs greedy decoding or a seed (coupled "
-                                           "sampling): it stops before the first token the target's own "
-                                           "output rejects")
-        overrides = dict(spec.policy_params)
-        if spec.max_draft_tokens is not None:
-            overrides["max_draft_tokens"] = spec.max_draft_tokens
-        policy_cls = policy_class(spec.policy)
-        resources = PolicyResources(tuple(reference) if reference is not None else None,
-                                    engine.specdecpp_head, engine.costs if policy_cls.needs_costs else None)
+        check_drafter(spec, engine.drafter.name, engine.drafter.has_distribution)
+        resources = PolicyResources(tuple(reference) if reference is not None else None, engine.specdecpp_head)
         state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
-        return build_policy(spec.policy, overrides, state, resources), engine.drafter
+        return request_policy(spec, state, resources, lambda: engine.costs), engine.drafter
 
     def _tree_shape(self) -> tuple[int, int]:
         """(side branches per round, new nodes per branch); (0, 0) verifies chains only."""
@@ -228,36 +217,15 @@ class GenerationRun:
         if self.costs is not None and fed == k + 1:  # not the prefill round
             self.costs.observe_target(fed, verify_s)
 
-        self._count(k, n, steps, verdict.num_strict, verdict.num_relaxed)
+        stats.record_round(k, n, verdict.num_strict, verdict.num_relaxed, [s.entropy for s in steps])
         if k or dropped is not None:
             self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
         return self._commit(drafts[:n] + [verdict.next_token])
 
-    def _count(self, drafted: int, accepted: int, steps: list[DraftStep], num_strict: int, relaxed: int = 0) -> None:
-        """One verification's statistics: tokens drafted (a tree's every node) and accepted, and
-        the policy chain's tokens that verification judged (up to its first rejection)."""
-        stats = self.stats
-        stats.verifications += 1
-        if not drafted:
-            return
-        stats.drafted += drafted
-        stats.accepted += accepted
-        stats.relaxed_accepted += relaxed
-        stats.draft_lengths.append(drafted)
-        stats.accepted_lengths.append(accepted)
-        judged = min(num_strict + 1, len(steps))
-        stats.judged_entropies.extend(s.entropy for s in steps[:judged])
-        stats.judged_accepted.extend(i < num_strict for i in range(judged))
-
     def _observe(self, steps: list[DraftStep], num_strict: int, after: int, dropped: DraftStep | None,
                  hit_cap: bool, js_distances: tuple[float, ...] = ()) -> None:
         """Tell the policy how its chain fared; `after`: the target's token after the accepted ones."""
-        k = len(steps)
-        dropped_accepted = None
-        if dropped is not None and num_strict == k:  # the target judged its position
-            dropped_accepted = after == dropped.token
-        self.policy.observe(RoundOutcome(k, num_strict, tuple(s.entropy for s in steps), hit_cap,
-                                         js_distances, tuple(steps), dropped, dropped_accepted))
+        self.policy.observe(RoundOutcome.judged(steps, num_strict, hit_cap, js_distances, dropped, after))
 
     # -- draft trees (specd.tree) -----------------------------------------------------------
     def _tree(self, committed: int, drafts: list[int]) -> DraftTree:
@@ -321,7 +289,7 @@ class GenerationRun:
             self.costs.observe_target(len(tree) + 1, verify_s)
         side = len(tree) - k
         self.tree_gain += TREE_GAIN_SMOOTHING * ((n - n_main) / side - self.tree_gain)
-        self._count(len(tree), n, steps, n_main)
+        stats.record_round(len(tree), n, n_main, 0, [s.entropy for s in steps])
         stats.tree_rounds += 1
         stats.branch_accepted += n > n_main
         tokens = [tree.tokens[i] for i in path] + [verdict.next_token]
@@ -352,9 +320,7 @@ class GenerationRun:
             d = session.next(seq, self.sampling, self.generator, want_hidden)
             if d is None:
                 break
-            step = DraftStep(len(drafts) + 1, committed - self.prompt_len + len(drafts), d.token,
-                             d.prob, d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved,
-                             d.votes, d.support, d.noise)
+            step = d.step(len(drafts) + 1, committed - self.prompt_len + len(drafts))
             decision = policy.decide(step)
             if decision is Decision.DROP:
                 dropped = step
@@ -382,33 +348,13 @@ class GenerationRun:
 
     def _commit(self, new: list[int]) -> list[int]:
         """Append verified tokens, honouring EOS, max_new_tokens and stop strings exactly."""
-        eos = self.target.eos_token_ids
-        out: list[int] = []
-        for tok in new:
-            self.seq.append(tok)
-            out.append(tok)
-            if tok in eos:
-                self.finish_reason = "stop"
-                break
-            if len(self.seq) >= self.max_len:
-                self.finish_reason = "length"
-                break
-        if self.sampling.stop:
-            out = self._apply_stop_strings(out)
-        return out
-
-    def _apply_stop_strings(self, out: list[int]) -> list[int]:
-        """Cut generation at the first stop string: keep the fewest tokens that contain it."""
-        generated = self.seq[self.prompt_len:]
-        text = self.target.decode(generated)
-        if not any(s in text for s in self.sampling.stop):
-            return out
-        first_new = len(generated) - len(out)
-        for end in range(first_new + 1, len(generated) + 1):
-            if any(s in self.target.decode(generated[:end]) for s in self.sampling.stop):
-                del self.seq[self.prompt_len + end:]
-                self.finish_reason = "stop"
-                return out[:end - first_new]
+        out, self.finish_reason = commit_tokens(new, len(self.seq), self.target.eos_token_ids, self.max_len)
+        self.seq += out
+        if self.stops is not None:  # cut after the fewest tokens whose text holds a stop string
+            kept = len(self.stops.push(out).token_ids)
+            if self.stops.stopped:
+                del self.seq[len(self.seq) - len(out) + kept:]
+                out, self.finish_reason = out[:kept], "stop"
         return out
 
     # -- results ----------------------------------------------------------------------------
@@ -417,10 +363,8 @@ class GenerationRun:
 
     def text(self) -> str:
         text = self.target.decode(self.generated())
-        for s in self.sampling.stop:
-            if s in text:
-                text = text[:text.index(s)]
-        return text
+        cut = first_stop(text, self.sampling.stop, 0)
+        return text if cut is None else text[:cut]
 
     def result(self) -> Generation:
         return Generation(self.generated(), self.text() if self.target.tokenizer else "",

@@ -54,6 +54,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """An unseeded sampling request's random stream, freshly seeded from torch's global one;
+    None for greedy and seeded requests, whose draws are coupled (race_noise)."""
+    if params.greedy or params.coupled:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+    return generator
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token id per row of probs [..., V] -> [...]."""
     flat = probs.reshape(-1, probs.shape[-1])

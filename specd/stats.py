@@ -8,6 +8,7 @@ bonus token each verification also yields: MAT = accepted / verifications + 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,24 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     finish_reason: str = ""
+
+    def record_round(self, drafted: int, accepted: int, strict: int, relaxed: int = 0,
+                     entropies: Sequence[float] = ()) -> None:
+        """One verification: `drafted` tokens verified (a tree's every node), `accepted` kept,
+        the leading `strict` of the policy's chain accepted by the lossless rule and `relaxed`
+        only by AdaSD's; entropies: H(q) of the chain's tokens, in order (where known). The
+        chain's judged tokens are those up to and including the first rejection."""
+        self.verifications += 1
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.relaxed_accepted += relaxed
+        self.draft_lengths.append(drafted)
+        self.accepted_lengths.append(accepted)
+        judged = min(strict + 1, len(entropies))
+        self.judged_entropies.extend(entropies[:judged])
+        self.judged_accepted.extend(i < strict for i in range(judged))
 
     @property
     def mean_accepted_tokens(self) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -159,6 +160,19 @@ class RoundOutcome:
     # next token turned out to be that token (None when a kept draft was rejected first).
     dropped: DraftStep | None = None
     dropped_accepted: bool | None = None
+
+    @classmethod
+    def judged(cls, steps: Sequence[DraftStep], num_accepted: int, hit_cap: bool,
+               js_distances: Sequence[float] = (), dropped: DraftStep | None = None,
+               next_token: int | None = None) -> RoundOutcome:
+        """The outcome of a chain of drafted steps whose leading num_accepted were strictly
+        accepted; next_token: the target's token after them (None: not known yet), which
+        judges a dropped token when the whole chain was accepted."""
+        dropped_accepted = None
+        if dropped is not None and num_accepted == len(steps) and next_token is not None:
+            dropped_accepted = next_token == dropped.token
+        return cls(len(steps), num_accepted, tuple(s.entropy for s in steps), hit_cap, tuple(js_distances),
+                   tuple(steps), dropped, dropped_accepted)
 
     @property
     def all_accepted(self) -> bool:

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.breaker import Breaker
-from services.common.detok import TextStream
+from specd.detok import TextStream
 from services.common.grpc_errors import from_rpc_error
 from services.common.metrics import new_registry
 from services.common.security import GrpcSecurity
@@ -47,11 +47,10 @@ from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
-from specd.errors import InvalidRequest, ModelError, SpecdError, Unavailable
+from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
-from specd.policies import NO_SPECULATION, policy_class
+from specd.policies import NO_SPECULATION, check_drafter, check_spec
 from specd.state import StateKey
-from specd.types import SpecParams
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +188,7 @@ class Coordinator:
             if isinstance(draft, SpecdError):
                 fallback_reason = str(draft)
             else:
-                _check_spec(request.spec, draft)
+                check_drafter(request.spec, draft.name, draft.has_distribution)
                 draft_stub = self.draft_stub
                 cfg = await self._with_draft(cfg, draft, request.overlap)
         loop = RequestLoop(cfg, self.target_stub, draft_stub)
@@ -230,17 +229,7 @@ class Coordinator:
     async def _loop_config(self, request: GenerateRequest, prompt: list[int]) -> LoopConfig:
         info, spec, sampling = self.target_info, request.spec, request.sampling
         sampling.validate(max_new_tokens_limit=info.max_context)
-        if spec.policy != NO_SPECULATION:
-            cls = policy_class(spec.policy)
-            overrides = dict(spec.policy_params)
-            if spec.max_draft_tokens is not None:
-                overrides["max_draft_tokens"] = spec.max_draft_tokens
-            cls.Params.from_overrides(overrides)  # names a bad parameter before any work starts
-        if spec.policy == "oracle":
-            raise InvalidRequest("policy", "the oracle policy needs the target's answer in advance; "
-                                           "it runs only in `specd bench`")
-        if spec.relaxed and spec.policy != "adasd":
-            raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
+        check_spec(spec, sampling)  # names a bad parameter before any work starts
         overlap = self.cfg.overlap if request.overlap is None else request.overlap
         return LoopConfig(
             prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
@@ -299,12 +288,6 @@ class Coordinator:
             await self.state_store.save(key, state)
         except Exception as e:  # noqa: BLE001 - a lost save costs only what this request learned
             log.warning("%s; adaptive policy state not saved", e)
-
-
-def _check_spec(spec: SpecParams, draft: draft_pb2.DraftInfo) -> None:
-    if spec.relaxed and not draft.has_distribution:
-        raise InvalidRequest("relaxed", f"relaxed verification needs a drafter with a distribution; "
-                                        f"{draft.name} has none")
 
 
 def _load_tokenizer(files: dict[str, bytes]):

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from services.common.detok import TextStream
+from specd.detok import TextStream
 from services.coordinator.api import (
     Event,
     FinishEvent,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,6 +41,7 @@ from services.common.grpc_errors import from_rpc_error, status_error
 from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
+from specd.round import commit_tokens
 from specd.stats import GenerationStats
 from specd.types import SamplingParams, SpecParams
 
@@ -349,12 +350,13 @@ class RequestLoop:
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
         tokens = [t.token for t in chunk[:n]] + [v.next_token]
-        self._record(k, n, v)
+        self._record(k, n, v, [t.entropy for t in chunk])
         start = len(self.seq)
         ahead = self.drafts.get(start + n) if n == k else None
         if ahead is not None and ahead.token == v.next_token:
             self.stats.continuations_kept += 1  # PEARL: the next window's first draft was the bonus
-        emitted = self._commit(tokens)
+        emitted, self.finish_reason = commit_tokens(tokens, start, self.cfg.eos, self.cfg.max_length)
+        self.seq += emitted
         for pos in range(start, start + len(tokens)):
             self.drafts.pop(pos, None)
         self.window_ends = [w for w in self.window_ends if w.end > len(self.seq) or w.start == w.end == len(self.seq)]
@@ -367,20 +369,14 @@ class RequestLoop:
                 other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - k - 1, 0))))
         return emitted
 
-    def _record(self, k: int, n: int, v: target_pb2.Verified) -> None:
+    def _record(self, k: int, n: int, v: target_pb2.Verified, entropies: Sequence[float] = ()) -> None:
         s = self.stats
-        s.verifications += 1
         s.batch_sizes.append(v.batch_size)
         s.target_prefill_s += v.prefill_seconds
         s.target_decode_s_per_token = v.decode_seconds_per_token
         s.target_only_s += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
         s.target_only_tokens += n + 1
-        if k:
-            s.drafted += k
-            s.accepted += n
-            s.relaxed_accepted += n - min(n, v.num_strict)
-            s.draft_lengths.append(k)
-            s.accepted_lengths.append(n)
+        s.record_round(k, n, v.num_strict, n - min(n, v.num_strict), entropies)
 
     def _plain_step_at(self, sessions: int, decode_s: float) -> float:
         """A plain decoding step's seconds in a forward of `sessions` sessions: the target's
@@ -391,16 +387,3 @@ class RequestLoop:
         at = surface[min(sessions, len(surface)) - 1]
         return at * (decode_s / surface[0]) if decode_s > 0 else at
 
-    def _commit(self, tokens: list[int]) -> list[int]:
-        """Append verified tokens, honouring EOS and the length limit exactly (as the engine)."""
-        out = []
-        for tok in tokens:
-            self.seq.append(tok)
-            out.append(tok)
-            if tok in self.cfg.eos:
-                self.finish_reason = "stop"
-                break
-            if len(self.seq) >= self.cfg.max_length:
-                self.finish_reason = "length"
-                break
-        return out

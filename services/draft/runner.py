@@ -30,6 +30,7 @@ from services.common.batcher import StepBatcher
 from specd.drafters.base import DraftSession, DraftToken
 from specd.dvi import Record
 from specd.policies import Decision, StoppingPolicy
+from specd.sampling import request_generator
 from specd.types import DraftStep, RoundOutcome, SamplingParams
 
 
@@ -117,10 +118,7 @@ class DraftRunner:
         self.wake = asyncio.Event()
         self.num_drafted = 0
         self.draft_seconds = 0.0
-        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
-        if not sampling.greedy and not sampling.coupled:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        self.generator = request_generator(sampling)
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -179,9 +177,7 @@ class DraftRunner:
     def _add(self, window: _Window, d: DraftToken | None) -> None:
         if d is None:
             return self._end(window, "no_proposal")
-        step = DraftStep(len(window.tokens) + 1, len(self.seq) - self.prompt_len, d.token, d.prob,
-                         d.max_prob, d.entropy, d.hidden, d.match_len, d.retrieved, d.votes, d.support,
-                         d.noise)
+        step = d.step(len(window.tokens) + 1, len(self.seq) - self.prompt_len)
         decision = self.policy.decide(step)
         if decision is Decision.DROP:
             window.dropped = step
@@ -280,11 +276,7 @@ class DraftRunner:
         n = next((i for i, ok in enumerate(judged) if not ok), len(judged))
         js = tuple(self.js[w.start + i] for i in range(len(w.tokens)) if w.start + i in self.js)
         w.ended = True
-        dropped_accepted = None
-        if w.dropped is not None and n == len(w.tokens) and w.end in self.emitted:
-            dropped_accepted = self.emitted[w.end] == w.dropped.token
-        self.policy.observe(RoundOutcome(len(w.tokens), n, tuple(s.entropy for s in w.steps), w.hit_cap, js,
-                                         tuple(w.steps), w.dropped, dropped_accepted))
+        self.policy.observe(RoundOutcome.judged(w.steps, n, w.hit_cap, js, w.dropped, self.emitted.get(w.end)))
         if self.log_records is not None:
             self._log(w, judged, n)
 

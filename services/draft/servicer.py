@@ -26,7 +26,7 @@ from specd.drafters.base import Drafter
 from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
-from specd.policies import POLICIES, PolicyResources, build_policy, policy_class
+from specd.policies import NO_SPECULATION, POLICIES, PolicyResources, check_spec, request_policy
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -124,16 +124,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         sampling.validate()
         if not prompt:
             raise InvalidRequest("prompt", "must not be empty")
-        if spec.policy == "oracle":
-            raise InvalidRequest("policy", "the oracle policy needs the target's answer in advance; "
-                                           "it runs only in `specd bench`")
+        if spec.policy == NO_SPECULATION:
+            raise InvalidRequest("policy", "a draft session needs a stopping policy; 'none' is the target alone")
+        check_spec(spec, sampling)
         if msg.lookahead not in (1, 2):
             raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
-        overrides = dict(spec.policy_params)
-        if spec.max_draft_tokens is not None:
-            overrides["max_draft_tokens"] = spec.max_draft_tokens
-        costs = self._costs(msg) if policy_class(spec.policy).needs_costs else None
-        policy = build_policy(spec.policy, overrides, state, PolicyResources(None, self.specdecpp_head, costs))
+        policy = request_policy(spec, state, PolicyResources(None, self.specdecpp_head), lambda: self._costs(msg))
         send_q = msg.send_distributions and self.drafter.has_distribution
         learning = self.learning
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,

@@ -10,6 +10,7 @@ import torch
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.sampling import request_generator
 from specd.types import SamplingParams
 from specd.verify import Verdict, verify_window
 
@@ -23,10 +24,7 @@ class TargetSession:
         self.kv = target.session()
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
-        self.generator = None  # unseeded sampling's stream; seeded sampling is coupled (specd.sampling)
-        if not sampling.greedy and not sampling.coupled:
-            self.generator = torch.Generator(device=target.device)
-            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        self.generator = request_generator(sampling, target.device)
 
     def prefill(self, chunk: int = 0) -> bool:
         """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft

@@ -22,7 +22,7 @@ from specd.errors import ModelError
 from specd.models.pool import PoolSession
 from specd.models.session import KVSession
 from specd.sampling import entropy, logits_to_probs, race_row, sample
-from specd.types import SamplingParams
+from specd.types import DraftStep, SamplingParams
 
 
 @dataclass(slots=True)
@@ -39,6 +39,12 @@ class DraftToken:
     support: float = 1.0  # ... and the share of them that continue with it
     # coupled sampling: E(x), the race noise of x at its position (specd.sampling); < 0: not coupled
     noise: float = -1.0
+
+    def step(self, index: int, position: int) -> DraftStep:
+        """What the stopping policy sees of this token, the index-th (1-based) of its window,
+        at `position` among the generated tokens."""
+        return DraftStep(index, position, self.token, self.prob, self.max_prob, self.entropy, self.hidden,
+                         self.match_len, self.retrieved, self.votes, self.support, self.noise)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.detok import TextStream, first_stop, held_back
+from specd.detok import TextStream, first_stop, held_back
 from specd.models.tiny import char_tokenizer
 
 

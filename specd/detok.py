@@ -13,7 +13,8 @@ Two kinds of text are held back until later ids settle them:
   "\\nUser:"): it is released once it can no longer become one, or at finish().
 When a stop string appears, the text is cut before it, `stopped` is set, and the delta
 reports only the ids up to the one that completed the stop string (the fewest ids whose
-decoding contains it, the engine's own rule).
+decoding contains it). The engine (specd.engine) cuts its tokens at stop strings with it;
+the services stream text with it.
 """
 
 from __future__ import annotations
