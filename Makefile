@@ -46,9 +46,10 @@ protos: install
 test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
-# Unit tests only: tiny models, no real model, no other program started, no statistical tests.
+# Unit tests only: tiny models, no real model, no other program started, no statistical tests;
+# two workers (pytest-xdist).
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not embedded and not external and not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not embedded and not external and not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
