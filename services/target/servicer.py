@@ -28,11 +28,9 @@ from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
 from specd.costs import measure_t_target, synthetic_prefix
-from specd.dvi import top_logprobs
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
-MAX_TOP_LOGPROBS = 64
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -127,23 +125,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         drafts = list(msg.tokens)
-        q = self._distributions(session, msg, len(drafts))
+        session.check_window(drafts, list(msg.probs), bool(msg.distributions), msg.relaxed, msg.top_logprobs)
+        q = self._distributions(msg, len(drafts))
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
-        if msg.relaxed and q is None and drafts:
-            raise InvalidRequest("distributions", "relaxed verification needs the draft distributions")
-        if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
-        ids = session.window(drafts)
-        start = session.kv.length  # the position of ids[0]
+        ids, start = session.window(drafts), session.kv.length  # start: the position of ids[0]
 
         def judge(logits: torch.Tensor, hidden: torch.Tensor | None):
-            verdict = session.verify(logits, drafts, q, threshold, msg.relaxed)
-            top = feats = None
-            if msg.top_logprobs and drafts:  # the judged positions: up to the first rejection
-                top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], msg.top_logprobs)
-            if hidden is not None:
-                feats = features_to_proto(*session.committed_features(start, hidden, verdict))
-            return verdict, top, feats
+            # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
+            verdict, top, feats = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
+                                                msg.top_logprobs, start)
+            return verdict, top, features_to_proto(*feats) if feats else None
 
         (verdict, top, feats), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge,
                                                                  session.features)
@@ -155,15 +146,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
             decode_seconds_per_token=self.batcher.decode_cost.seconds))
 
-    def _distributions(self, session: TargetSession, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
+    def _distributions(self, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""
-        if len(msg.probs) not in (0, k):
-            raise InvalidRequest("probs", f"expected {k} probabilities, got {len(msg.probs)}")
         if not msg.distributions:
-            # Sampling against a point mass when x was drawn from a real q would not be lossless.
-            if not session.sampling.greedy and any(p < 1.0 for p in msg.probs):
-                raise InvalidRequest("distributions", "sampling verification of drafts with q(x) < 1 "
-                                                      "needs their distributions")
             return None
         if len(msg.distributions) != k:
             raise InvalidRequest("distributions", f"expected {k} distributions, got {len(msg.distributions)}")

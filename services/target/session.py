@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from specd.dvi import top_logprobs
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.sampling import request_generator
 from specd.types import SamplingParams
 from specd.verify import Verdict, verify_window
+
+MAX_TOP_LOGPROBS = 64
 
 
 class TargetSession:
@@ -47,6 +50,31 @@ class TargetSession:
         if drafts and (min(drafts) < 0 or max(drafts) >= self.target.vocab_size):
             raise InvalidRequest("tokens", f"draft token ids must be in [0, {self.target.vocab_size})")
         return self.seq[self.kv.length:] + drafts
+
+    def check_window(self, drafts: list[int], probs: list[float], has_distributions: bool, relaxed: bool,
+                     top_k: int) -> None:
+        """InvalidRequest for a window this session cannot verify losslessly: sampling against
+        a point mass when the drafts came from a real q (probs < 1) without their distributions,
+        relaxed verification without them, or too many top log-probabilities asked for."""
+        if len(probs) not in (0, len(drafts)):
+            raise InvalidRequest("probs", f"expected {len(drafts)} probabilities, got {len(probs)}")
+        if not has_distributions and not self.sampling.greedy and any(p < 1.0 for p in probs):
+            raise InvalidRequest("distributions", "sampling verification of drafts with q(x) < 1 "
+                                                  "needs their distributions")
+        if relaxed and not has_distributions and drafts:
+            raise InvalidRequest("distributions", "relaxed verification needs the draft distributions")
+        if not 0 <= top_k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}")
+
+    def judge(self, logits: torch.Tensor, hidden: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
+              relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int):
+        """One window's forward -> (verdict, the top-k log-probabilities of the judged positions
+        (up to the first rejection) or None, the committed positions' hidden states from start
+        or None); commits the verdict. start: the position of the window's first fed token."""
+        verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed)
+        top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
+        feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
+        return verdict, top, feats
 
     def verify(self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
                relaxed_threshold: float | None, relaxed: bool) -> Verdict:
