@@ -979,7 +979,7 @@ def test_dockerfiles():
         assert ("download.pytorch.org/whl/cpu" in text) == (path.name == "Dockerfile"), path.name
         assert "pip install --require-hashes --no-deps -r requirements.lock" in requirements[1], path.name
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".venv/", ".git/", "out/", "docs/bench/", "**/__pycache__/", "*.egg-info/"} <= set(ignored)
+    assert {".venv/", ".git/", "out/", "docs/bench/", "**/__pycache__/", "*.egg-info/", ".env"} <= set(ignored)
 
 
 def test_the_image_lock_pins_and_hashes_every_dependency():
