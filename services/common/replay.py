@@ -10,11 +10,8 @@ Keys, per drafter (its name, which names its weights):
 from __future__ import annotations
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from specd.dvi import HeadLoRA, Record
-
-REDIS_ERRORS = (redis.exceptions.RedisError, OSError)  # Redis slow or down
 
 
 class RedisDVI:

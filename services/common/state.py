@@ -38,7 +38,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from services.common.breaker import Breaker
-from specd.errors import Unavailable
+from specd.errors import SpecdError, Unavailable
 from specd.state import MemoryStateStore, StateKey
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,22 @@ def redact_url(url: str) -> str:
         return "<redis url>"
 
 
+# What a Redis call raises when Redis is down, slow or refuses (READONLY, OOM, LOADING...).
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+def redis_client(url: str, timeout_s: float, retries: int = 1) -> aioredis.Redis:
+    """A client that fails fast: a dropped connection (Redis restarted) is retried `retries`
+    times at once, a timeout is not retried (a slow Redis costs one timeout). A malformed URL is
+    a configuration error (SpecdError, the password redacted), not an outage."""
+    try:
+        return aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,)))
+    except ValueError as e:
+        raise SpecdError(f"invalid Redis URL {redact_url(url)}: {e}") from None
+
+
 STATE_TTL_S = 30 * 24 * 3600  # a policy-state key expires this long after its last save
 DEFAULT_TIMEOUT_S = 0.5  # connect and read timeout of one Redis command
 COOLDOWN_S = 5.0  # after a Redis failure, skip Redis this long
@@ -113,18 +129,7 @@ class RedisStateStore:
         self.ttl_s = ttl_s
         self.breaker = Breaker(cooldown_s)
         self._safe_url = redact_url(url)
-        try:
-            self._redis = aioredis.Redis.from_url(
-                url,
-                decode_responses=True,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                # A dropped connection (Redis restarted) is retried once, at once; a timeout is not
-                # retried: a slow Redis costs one timeout, then the breaker skips it.
-                retry=Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,)),
-            )
-        except ValueError as e:  # a malformed URL is a configuration error, not an outage
-            raise ValueError(f"invalid Redis URL {self._safe_url}: {e}") from None
+        self._redis = redis_client(url, timeout_s, retries)  # a slow Redis: one timeout, then the breaker
 
     def key(self, key: StateKey) -> str:
         """The Redis key holding `key`'s state (see the module docstring)."""
@@ -155,7 +160,7 @@ class RedisStateStore:
             self.breaker.success()  # Redis answered: only this key is wrong
             log.warning("shared policy state: %s is not a hash; starting from the policy's defaults", k)
             return {}
-        except (redis.exceptions.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             self._failed("load", e)
             return {}
         self.breaker.success()
@@ -181,7 +186,7 @@ class RedisStateStore:
                     pipe.hset(k, mapping=mapping)
                     pipe.expire(k, self.ttl_s)
                     await pipe.execute()
-        except (redis.exceptions.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             self._failed("save", e)
             return
         self.breaker.success()
@@ -190,7 +195,7 @@ class RedisStateStore:
         """Returns when Redis answers; raises Unavailable otherwise (for health checks)."""
         try:
             await self._redis.ping()
-        except (redis.exceptions.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             raise self._unavailable(e) from e
 
     async def close(self) -> None:

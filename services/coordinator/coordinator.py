@@ -27,7 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.breaker import Breaker
-from specd.detok import TextStream
 from services.common.grpc_errors import from_rpc_error
 from services.common.metrics import new_registry
 from services.common.security import GrpcSecurity
@@ -45,6 +44,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
+from specd.detok import TextStream
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable

@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from specd.detok import TextStream
 from services.coordinator.api import (
     Event,
     FinishEvent,
@@ -22,6 +21,7 @@ from services.coordinator.api import (
     ModelCard,
     TokenEvent,
 )
+from specd.detok import TextStream
 from specd.engine import GenerationRun, SpeculativeEngine
 
 

@@ -15,7 +15,8 @@ import contextlib
 import logging
 from concurrent.futures import Executor
 
-from services.common.replay import REDIS_ERRORS, RedisDVI
+from services.common.replay import RedisDVI
+from services.common.state import REDIS_ERRORS
 from services.draft.metrics import DraftMetrics
 from specd.drafters.base import Drafter
 from specd.dvi import Record

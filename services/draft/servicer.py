@@ -14,7 +14,8 @@ from services.common.batcher import StepBatcher
 from services.common.compute import compute_thread
 from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
-from services.common.replay import REDIS_ERRORS, RedisDVI
+from services.common.replay import RedisDVI
+from services.common.state import REDIS_ERRORS
 from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
 from services.draft.learning import OnlineLearning
 from services.draft.metrics import DraftMetrics

@@ -41,13 +41,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
-import redis.asyncio as aioredis
-import redis.exceptions
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
-from services.common.state import redact_url
+from services.common.state import REDIS_ERRORS, redact_url, redis_client
 from specd.errors import SpecdError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -57,7 +53,6 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 LOOKUP_TTL_S = 0.5  # a cached key is trusted this long: the bound on a revocation's delay
 OUTAGE_GRACE_S = 60.0  # store unreachable: keys known this recently are still accepted
 MAX_CACHED = 10_000  # known keys kept in one gateway's cache (unknown keys are never cached)
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class Limits(BaseModel):
@@ -144,16 +139,6 @@ redis.call('HDEL', KEYS[1], d)
 redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
 """
-
-
-def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
-    """A client that fails fast: one brief retry of a dropped connection, then an error."""
-    try:
-        return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                       socket_connect_timeout=timeout_s,
-                                       retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1))
-    except ValueError as e:  # a malformed URL is a configuration error, not an outage
-        raise SpecdError(f"invalid Redis URL {redact_url(url)}: {e}") from None
 
 
 class RedisKeyStore:

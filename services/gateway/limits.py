@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.state import redact_url
-from services.gateway.keys import REDIS_ERRORS, Limits, redis_client
+from services.common.state import REDIS_ERRORS, redact_url, redis_client
+from services.gateway.keys import Limits
 from specd.errors import Unavailable
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.common.replay import REDIS_ERRORS, RedisDVI
+from services.common.replay import RedisDVI
 from services.common.settings import TrainerSettings
+from services.common.state import REDIS_ERRORS
 from specd.dvi import DVITrainer, TrainerConfig, trainer_for
 from specd.errors import InvalidRequest
 

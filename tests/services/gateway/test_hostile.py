@@ -168,7 +168,7 @@ def test_a_body_over_the_size_limit_is_refused_before_parsing(gateway):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_an_error_names_no_internal_address(remote_gateway):
+def test_an_error_names_no_internal_address():
     """What a client reads about a failed service carries no address or gRPC debug text."""
     from services.common.grpc_errors import status_error
 

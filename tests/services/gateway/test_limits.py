@@ -210,6 +210,24 @@ def test_limits_fail_open_when_redis_is_down(serve, local_backend, specd_cli, tm
     assert 'specd_gateway_key_requests_total{key="no-redis",outcome="admitted"} 3.0' in text
 
 
+def test_limits_fail_open_when_redis_refuses_writes(serve, local_backend, specd_cli, tmp_path, redis_url):
+    """An OOM (or READONLY) reply is an error of Redis, not of the request: the limits fail open
+    as they do for an unreachable Redis, never a 500."""
+    import redis
+
+    keys_file = tmp_path / "keys.json"
+    key = _create(specd_cli, "oom", ["--keys-file", str(keys_file)], "--rpm", "1")
+    url = serve(create_app(local_backend, keys=KeyRing(FileKeyStore(keys_file)), limiter=RedisLimiter(redis_url)))
+    with redis.Redis.from_url(redis_url) as raw:
+        raw.set("ballast", "x" * 1000)  # the script's writes then exceed maxmemory
+        raw.config_set("maxmemory", "1")
+        try:
+            assert [_chat(url, key).status_code for _ in range(2)] == [200, 200]  # over rpm 1: not enforced
+        finally:
+            raw.config_set("maxmemory", "0")
+    assert 'specd_gateway_key_store_errors_total{op="limits"}' in httpx.get(url + "/metrics").text
+
+
 def test_without_redis_the_limits_hold_in_memory(serve, local_backend, specd_cli, tmp_path):
     keys_file = tmp_path / "keys.json"
     key = _create(specd_cli, "memory", ["--keys-file", str(keys_file)], "--rpm", "2", "--tpm", "50")
