@@ -159,7 +159,13 @@ class RedisKeyStore:
             raw = await self._redis.hget(self.keys_key, key_digest)
         except REDIS_ERRORS as e:
             raise self._unavailable(e) from e
-        return None if raw is None else KeyRecord.model_validate_json(raw)
+        if raw is None:
+            return None
+        try:
+            return KeyRecord.model_validate_json(raw)
+        except ValidationError as e:  # the store's data, not the client's: a 503, logged, never a 500
+            log.error("API keys: the record under %s in %s is corrupt: %s", key_digest[:12], self.keys_key, e)
+            raise Unavailable("API keys: a key record cannot be read") from None
 
     async def create(self, name: str, limits: Limits) -> str:
         _check_name(name)

@@ -169,6 +169,17 @@ def test_known_keys_survive_a_store_outage_and_unknown_ones_get_503(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_corrupt_key_record_is_a_503_not_a_500(serve, local_backend, redis_url):
+    key = "sk-specd-corrupt"
+    store = RedisKeyStore(redis_url)
+    with redis.Redis.from_url(redis_url) as raw:
+        raw.hset(store.keys_key, digest(key), "{not json")
+    url = serve(create_app(local_backend, keys=KeyRing(store)))
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+
+
 def test_auth_required_without_a_key_refuses_to_start(specd_cli, tmp_path, redis_url, monkeypatch):
     monkeypatch.delenv("SPECD_REDIS_URL", raising=False)
     monkeypatch.delenv("SPECD_GATEWAY_API_KEYS", raising=False)
