@@ -225,6 +225,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--trees", action="store_true",
                    help="also run every lookup-drafter configuration with draft trees (DRAFTER/POLICY/tree, "
                         "3 side branches)")
+    b.add_argument("--cold-start", action="store_true",
+                   help="start every run from empty policy state and the start-up cost curve, as a fresh "
+                        "`specd generate` does (default: state carries over from prompt to prompt, as in "
+                        "a server)")
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--json", action="store_true", help="print results.json to stdout too")
     b.set_defaults(func=cmd_bench)
@@ -466,7 +470,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees, args.forward, args.offset, args.cuda_graphs)
+        args.trees, args.forward, args.offset, args.cuda_graphs, args.cold_start)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

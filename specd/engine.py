@@ -95,6 +95,10 @@ class SpeculativeEngine:
                 self._costs = measure_cost_curve(self.target, self.drafter)
         return self._costs
 
+    @costs.setter
+    def costs(self, curve: CostCurve) -> None:
+        self._costs = curve
+
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> Generation:
         run = self.start(prompt_ids, sampling, spec, reference)
@@ -139,6 +143,7 @@ class GenerationRun:
         # Stop strings, found incrementally in the text of each round's new tokens.
         self.stops = TextStream(target.tokenizer, sampling.stop) if sampling.stop else None
         self.finish_reason: str | None = None
+        self.drafter_ran = False  # in the current round (the measured pace's split)
         self.started = time.perf_counter()
 
     # -- setup ------------------------------------------------------------------------------
@@ -180,6 +185,16 @@ class GenerationRun:
                 yield new
 
     def _round(self) -> list[int]:
+        """One round, timed for the policy's measured pace (from the second round on: the first
+        one also prefills the prompt)."""
+        t0 = time.perf_counter()
+        self.drafter_ran = False
+        new = self._speculate()
+        if self.policy is not None and self.stats.verifications > 1:
+            self.policy.observe_pace(len(new), time.perf_counter() - t0, self.drafter_ran)
+        return new
+
+    def _speculate(self) -> list[int]:
         seq, stats = self.seq, self.stats
         committed = len(seq)
         drafts, qs, steps, dropped, hit_cap = self._draft(committed)
@@ -315,6 +330,7 @@ class GenerationRun:
         policy.begin_round()
         if not policy.should_draft():
             return drafts, qs, steps, dropped, False
+        self.drafter_ran = True
         hit_cap = False
         while True:
             d = session.next(seq, self.sampling, self.generator, want_hidden)

@@ -83,6 +83,7 @@ class _Window:
     dropped: DraftStep | None = None  # the token the policy dropped after these (Decision.DROP)
     ended: bool = False
     hit_cap: bool = False
+    gated: bool = False  # should_draft declined: a plain round, the drafter did not run
 
     @property
     def end(self) -> int:
@@ -119,6 +120,7 @@ class DraftRunner:
         self.num_drafted = 0
         self.draft_seconds = 0.0
         self.generator = request_generator(sampling)
+        self.last_commit_at: float | None = None  # the measured pace times commit to commit
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -170,6 +172,7 @@ class DraftRunner:
         window = _Window(len(self.seq))
         self.windows.append(window)
         if not self.policy.should_draft():
+            window.gated = True
             self._end(window, "policy")  # an empty window: the coordinator verifies a plain step
             return None
         return window
@@ -203,6 +206,7 @@ class DraftRunner:
     # -- commits (on the event loop) --------------------------------------------------------
     def commit(self, c: Commit) -> None:
         s, n = self.committed, len(c.tokens) - 1
+        self._pace(s, len(c.tokens))
         if self.policy.resources.costs is not None:
             self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens)
         for i in range(n):
@@ -239,6 +243,16 @@ class DraftRunner:
         self.publish(Ack(c.commit_id, self.epoch))
         self._judge_windows()
         self.wake.set()
+
+    def _pace(self, start: int, tokens: int) -> None:
+        """Time the round that verified from `start`, from the previous commit to this one (the
+        first commit also waited for the prompt's prefill and is not timed). Under PEARL a window
+        verified in parts is timed per part; a chunk with no window of its own is not timed."""
+        now = time.perf_counter()
+        window = next((w for w in self.windows if w.start == start), None)
+        if self.last_commit_at is not None and window is not None:
+            self.policy.observe_pace(tokens, now - self.last_commit_at, not window.gated)
+        self.last_commit_at = now
 
     def _cut_open_window(self, at: int) -> None:
         """End the window being drafted at position `at` (now committed), without a WindowEnd:

@@ -49,6 +49,9 @@ class BenchSettings:
     forward: str = "auto"  # auto | lean | hf (specd/models/lean.py)
     offset: int = 0  # questions skipped before the first one used
     cuda_graphs: str = "auto"  # auto | on | off (specd/models/graphs.py)
+    # Every run starts as a fresh `specd generate` would: empty policy state and the start-up
+    # cost curve, so nothing learned on earlier prompts helps (or hurts) this one.
+    cold_start: bool = False
 
     @property
     def greedy(self) -> bool:

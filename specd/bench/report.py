@@ -100,7 +100,9 @@ def report_md(doc: dict) -> str:
     lines = [
         "# specd bench", "",
         f"Target `{doc['target']}`, drafters {', '.join(s['drafters'])}, {len(doc['prompts'])} prompts{dataset}{skipped} × "
-        f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}. "
+        f"{s['repeats']} repeats, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
+        f"{', seed ' + str(s['seed']) if s.get('seed') is not None else ''}"
+        f"{', every run cold (empty policy state, start-up cost curve)' if s.get('cold_start') else ''}. "
         f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['device']} {m['dtype']}, "
         f"{m.get('linear_kernels', 'torch')} linear kernels, {m.get('forward', 'hf')} forward, torch {m['torch']}, transformers {m['transformers']}.", "",
         "Speedup: tokens/s over target-only decoding (`ar`) on the same prompt in the same run; median "

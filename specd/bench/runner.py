@@ -18,9 +18,11 @@ from specd.bench.contention import CpuShare
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.metrics import peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
+from specd.costs import CostCurve
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.policies import NO_SPECULATION, OraclePolicy, policy_class
+from specd.state import MemoryStateStore
 from specd.types import SamplingParams, SpecParams
 
 
@@ -92,7 +94,13 @@ class BenchRun:
             return peer_record(ids, wall, reference if self.s.greedy else None), ids
         spec = SpecParams(c.policy, None, dict(c.policy_params), task_tag="bench", branches=c.branches)
         ref = reference if c.policy == "oracle" else None
-        out = self.engines[c.drafter].generate(prompt, self.sampling, spec, ref)
+        engine = self.engines[c.drafter]
+        if self.s.cold_start:  # as a fresh process: nothing learned on earlier runs
+            engine.state_store = MemoryStateStore()
+            start = self.policy_curves.get(c.drafter, {}).get("start")
+            if start is not None:
+                engine.costs = CostCurve.from_dict(start)
+        out = engine.generate(prompt, self.sampling, spec, ref)
         # Greedy and seeded (coupled) output must be the target alone's, token for token.
         check = reference if (self.s.reproducible and c.label != BASELINE) else None
         return run_record(out.stats, out.token_ids, check), out.token_ids

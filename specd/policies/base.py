@@ -109,6 +109,11 @@ class StoppingPolicy(ABC):
     def observe(self, outcome: RoundOutcome) -> None:
         """Called after verification with what the target accepted."""
 
+    def observe_pace(self, tokens: int, seconds: float, drafted: bool) -> None:
+        """A round emitted `tokens` in `seconds` of wall time, measured from the previous
+        round's commit to its own; drafted: whether the drafter ran for it (False for a plain
+        round that should_draft declined)."""
+
     def relaxed_threshold(self) -> float | None:
         """JS-distance threshold for lossy relaxed verification (AdaSD only)."""
         return None

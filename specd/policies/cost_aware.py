@@ -29,7 +29,17 @@ where it is steep (a CPU) short ones, with the same code and no tuning. Dropping
 declines to speculate on one round: a first token it does not believe in is verified as a plain
 step. And when the rounds that drafted have, all told, emitted tokens more slowly than plain steps
 would have (the drafter's own time is not earned back), it stops drafting altogether, except
-every `explore`-th round, which keeps its estimates current.
+for exploring rounds that keep its estimates current: the `explore`-th round after it stopped,
+then twice as far apart each time drafting still does not pay (up to EXPLORE_BACKOFF times
+`explore`), so a useless drafter costs a request almost nothing.
+
+Whether drafting pays is judged on measured time where there is some (`observe_pace`): the wall
+seconds per emitted token of rounds in which the drafter ran against rounds in which it did not.
+The cost curve prices each process alone; the clock also sees what the curve cannot, such as a
+draft model and the target taking turns on the same cores. While drafting pays and the drafter
+is not nearly free, a plain round is run now and then (when the last one has faded from the
+measured pace) to keep that comparison current. Until both kinds of round have been timed, the
+gate uses the cost curve.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ from specd.types import DraftStep, RoundOutcome
 MAX_MATCH_BIN = 8  # n-gram matches of 8 tokens or more share a bin
 MAX_INDEX_BIN = 4  # so do window positions 4 and later
 PAYOFF_MARGIN = 0.98  # drafting must realise at least this fraction of the plain step's rate
+EXPLORE_BACKOFF = 16  # exploring rounds, while drafting does not pay, space out to this many times `explore`
+PACE_MEMORY = 64.0  # about how many recent rounds the measured pace remembers
+PACE_MIN_WEIGHT = 0.25  # decayed rounds of each kind (drafter ran / did not) before the pace decides
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,10 @@ class CostAwarePolicy(StoppingPolicy):
             raise InvalidRequest("policy", "cost-aware needs the measured cost curve of this draft/target pair")
         self.costs = self.resources.costs
         self.decay = 1.0 - 1.0 / params.memory
-        self.rounds = 0
+        self.pace_decay = 1.0 - 1.0 / PACE_MEMORY
+        self.since_explore = 0  # rounds since drafting last paid or was last explored
+        self.backoff = params.explore  # rounds between exploring rounds while drafting does not pay
+        self.since_plain = 0  # rounds since the last plain round, while drafting pays
         self.begin_round()
 
     # -- the calibration table (shared state) ------------------------------------------------
@@ -122,6 +138,9 @@ class CostAwarePolicy(StoppingPolicy):
         self.table: dict[str, list[float]] = {}  # bin -> [accepted weight, rejected weight]
         # What drafting rounds realised: decayed sums of tokens emitted and of their cost.
         self.paid = [float(state.get("rounds:emitted", 0.0)), float(state.get("rounds:seconds", 0.0))]
+        # Measured pace, decayed: [tokens, seconds, rounds] of rounds with and without the drafter.
+        self.pace = {kind: [float(state.get(f"pace:{kind}_{x}", 0.0)) for x in ("tokens", "seconds", "rounds")]
+                     for kind in ("drafted", "plain")}
         for key, value in state.items():
             name, _, kind = key.rpartition(":")
             if name and name != "rounds" and kind in ("a", "r"):
@@ -129,6 +148,9 @@ class CostAwarePolicy(StoppingPolicy):
 
     def state(self) -> dict[str, float]:
         out = {"rounds:emitted": self.paid[0], "rounds:seconds": self.paid[1]}
+        for kind, sums in self.pace.items():
+            for x, value in zip(("tokens", "seconds", "rounds"), sums):
+                out[f"pace:{kind}_{x}"] = value
         for name, (acc, rej) in self.table.items():
             out[f"{name}:a"], out[f"{name}:r"] = acc, rej
         return out
@@ -163,16 +185,61 @@ class CostAwarePolicy(StoppingPolicy):
         self.expected = 1.0  # expected tokens emitted by verifying what is drafted so far
 
     def should_draft(self) -> bool:
-        """Draft unless the rounds that drafted have realised less than plain steps would (the
-        drafter costs more than it saves: an untrained model drafter on a CPU), and even then
-        every `explore`-th round, so the policy notices when drafting pays again."""
-        self.rounds += 1
-        emitted, seconds = self.paid
-        if seconds <= 0 or self.rounds % self.params.explore == 0:
+        """Draft while drafting pays (`drafting_pays`), with a plain round now and then to keep
+        the measured comparison current; while it does not pay, draft only on exploring rounds,
+        spaced further apart each time, so the policy notices when drafting pays again."""
+        if self.drafting_pays():
+            self.since_explore, self.backoff = 0, self.params.explore
+            self.since_plain += 1
+            if self._wants_plain_round():
+                self.since_plain = 0
+                return False
             return True
-        if self.costs.t_draft < (1 - PAYOFF_MARGIN) * self.costs.round_time(0):
-            return True  # a nearly free look at the first draft token (n-gram) is always worth it
+        self.since_plain = 0
+        self.since_explore += 1
+        if self.since_explore >= self.backoff:
+            self.since_explore = 0
+            self.backoff = min(2 * self.backoff, EXPLORE_BACKOFF * self.params.explore)
+            return True
+        return False
+
+    def drafting_pays(self) -> bool:
+        """Whether the rounds that drafted emitted tokens at least PAYOFF_MARGIN as fast as plain
+        steps: on the measured pace when both kinds of round have been timed, else on the cost
+        curve (no evidence yet, or a nearly free drafter, counts as paying)."""
+        emitted, seconds = self.paid
+        if seconds <= 0 or self._nearly_free():
+            return True
+        measured = self.measured_speedup()
+        if measured is not None:
+            return measured >= PAYOFF_MARGIN
         return emitted / seconds >= PAYOFF_MARGIN / self.costs.round_time(0)
+
+    def measured_speedup(self) -> float | None:
+        """Tokens per second of timed rounds with the drafter over those without; None until
+        both have been timed recently enough."""
+        (dt, ds, dn), (pt, ps, pn) = self.pace["drafted"], self.pace["plain"]
+        if min(dn, pn) < PACE_MIN_WEIGHT or min(ds, ps, pt) <= 0:
+            return None
+        return (dt / ds) / (pt / ps)
+
+    def _nearly_free(self) -> bool:
+        """A look at the first draft token costs next to nothing (an n-gram lookup)."""
+        return self.costs.t_draft < (1 - PAYOFF_MARGIN) * self.costs.round_time(0)
+
+    def _wants_plain_round(self) -> bool:
+        """A plain round to time, while drafting pays: when the drafter costs real time and the
+        last plain round has faded from the measured pace (at most every `explore` rounds)."""
+        return (not self._nearly_free() and self.pace["drafted"][2] >= PACE_MIN_WEIGHT
+                and self.pace["plain"][2] < PACE_MIN_WEIGHT and self.since_plain >= self.params.explore)
+
+    def observe_pace(self, tokens: int, seconds: float, drafted: bool) -> None:
+        for kind, sums in self.pace.items():
+            sums[:] = [self.pace_decay * x for x in sums]
+        sums = self.pace["drafted" if drafted else "plain"]
+        sums[0] += tokens
+        sums[1] += seconds
+        sums[2] += 1.0
 
     def decide(self, step: DraftStep) -> Decision:
         costs, k = self.costs, step.index

@@ -267,6 +267,20 @@ def test_cost_curve_is_measured_only_when_a_policy_needs_it_and_follows_the_roun
     assert engine.costs is slow and slow.scale < 0.9 and slow.t_draft < 1.0
 
 
+
+def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_draft):
+    """cost-aware's measured pace: the engine times each round but the first (which prefills) and
+    says whether the drafter ran; the pace is saved with the policy's state."""
+    curve = CostCurve(0.01, list(range(1, 18)), [0.01] * 17, smoothing=0.0)  # a drafter that costs time
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target), costs=curve)
+    out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=N), SpecParams("cost-aware"))
+    state = engine.state_store.load(engine.state_key("cost-aware", "default"))
+    timed = state["pace:drafted_rounds"] + state["pace:plain_rounds"]
+    # decayed sums: a little under one per round timed
+    assert 0.75 * (out.stats.verifications - 1) < timed < out.stats.verifications - 1 + 1e-9
+    assert state["pace:drafted_rounds"] > 0 and state["pace:drafted_seconds"] > 0
+    assert state["pace:drafted_tokens"] + state["pace:plain_tokens"] <= N
+
 # The test curves are frozen (smoothing 0: the rounds' timings do not move them). A curve that
 # followed the tiny models' real timings would make the policies' choices depend on the machine's
 # load: CI once saw cost-aware learn that the early-exit drafter (about half a target step on the

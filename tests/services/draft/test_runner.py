@@ -270,3 +270,51 @@ def test_cost_aware_prices_the_next_window_in_the_forward_the_commit_reports():
     assert alone >= 4  # the first window: no load reported yet
     assert crowded == 0  # after a forward with 31 others of one token each
     assert small_again >= 4
+
+
+class EveryOtherRound(StoppingPolicy):
+    """Drafts one token on odd rounds, declines on even ones; records the measured pace."""
+
+    name = "every-other"
+
+    def __init__(self):
+        super().__init__(PolicyParams())
+        self.rounds = 0
+        self.paces: list[tuple[int, float, bool]] = []
+
+    def should_draft(self):
+        self.rounds += 1
+        return self.rounds % 2 == 1
+
+    def decide(self, step):
+        return Decision.STOP
+
+    def observe_pace(self, tokens, seconds, drafted):
+        self.paces.append((tokens, seconds, drafted))
+
+
+def test_the_pace_times_each_round_and_says_whether_the_drafter_ran():
+    """cost-aware's measured pace: each commit after the first is timed from the previous one and
+    marked by whether its window was drafted or declined (a plain round)."""
+    policy = EveryOtherRound()
+
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=1,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        for commit_id in range(1, 6):
+            await settle()
+            while executor.pending:
+                executor.step()
+                await settle()
+            end = [e for e in events if isinstance(e, WindowEnd)][-1]
+            drafted = tuple(runner.seq[end.start:end.end])
+            runner.commit(Commit(commit_id, drafted + (7,), num_verified=len(drafted), num_strict=len(drafted)))
+        task.cancel()
+
+    asyncio.run(run())
+    # the first commit (which also waited for the prefill) is not timed; rounds 2..5 alternate
+    assert [(t, d) for t, _, d in policy.paces] == [(1, False), (2, True), (1, False), (2, True)]
+    assert all(s > 0 for _, s, _ in policy.paces)

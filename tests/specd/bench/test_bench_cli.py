@@ -199,3 +199,23 @@ def test_bench_runs_the_built_in_set_without_dataset(tiny_dirs, tmp_path, specd_
     assert [p["key"] for p in doc["prompts"]] == ["1#t1", "2#t1", "3#t1"]
     assert doc["aggregates"]["hf/constant"]["identical"] is True
     assert "3 prompts of `built-in`" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_cold_start_runs_each_prompt_from_empty_state(tiny_dirs, tmp_path, specd_cli, cold):
+    """--cold-start: each run starts as a fresh `specd generate` (heuristic's K back at k0), so
+    the same prompt twice drafts the same windows; without it the second run inherits the K the
+    first one left (the negative control)."""
+    dataset = tmp_path / "same.jsonl"
+    dataset.write_text("".join(json.dumps({"question_id": i, "turns": ["count to five"]}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    extra = ["--cold-start"] if cold else []
+    code, _, err = specd_cli(bench_args(tiny_dirs, dataset, out, "--policies", "heuristic", "--baselines", "ar",
+                                        "--max-new-tokens", "24", *extra))
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    first, second = (r["draft_lengths"] for r in doc["records"]["hf/heuristic"])
+    assert first[0] == 5  # k0
+    assert (first == second) is cold
+    assert doc["settings"]["cold_start"] is cold
+    assert ("every run cold" in (out / "report.md").read_text()) is cold

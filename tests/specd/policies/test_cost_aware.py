@@ -178,7 +178,15 @@ def test_stops_drafting_when_the_drafter_does_not_earn_its_time_back_but_keeps_l
     for _ in range(50):
         p.observe(RoundOutcome(1, 0, (0.5,), False, (), (model_step(1, 0.55),)))
     decisions = [p.should_draft() for _ in range(32)]
-    assert decisions.count(True) == 4 and all(decisions[i] for i in range(6, 32, 8))  # every 8th round
+    # it explores on the 8th round after it stopped, then 16 rounds later: twice as far apart each
+    # time drafting still does not pay
+    assert [i for i, d in enumerate(decisions) if d] == [7, 23]
+    gaps = []
+    for _ in range(2000):
+        gaps.append(0)
+        while not p.should_draft():
+            gaps[-1] += 1
+    assert gaps[1:3] == [63, 127] and max(gaps) == 16 * 8 - 1  # at most EXPLORE_BACKOFF x explore
     # the same evidence with a nearly free drafter (n-gram): looking at the first token costs nothing
     q = policy(CPU, p.state(), explore=8)
     assert all(q.should_draft() for _ in range(32))
@@ -237,3 +245,58 @@ def test_an_unloaded_curve_prices_windows_as_before():
     for k in range(8):
         assert costs.loaded_time(k) == costs.round_time(k)
         assert costs.loaded_rate(2.0, k) == 2.0 / costs.round_time(k)
+
+
+def paying_policy(**overrides):
+    """A model drafter whose rounds pay on the cost curve: 3 of 3 drafts accepted."""
+    slow_draft = CostCurve(0.016, [1, 2, 4, 6, 8, 17], [0.033, 0.045, 0.053, 0.053, 0.062, 0.075])
+    p = policy(slow_draft, explore=8, **overrides)
+    for _ in range(20):
+        p.observe(RoundOutcome(3, 3, (0.5,) * 3, False, (), tuple(model_step(i, 0.95) for i in (1, 2, 3))))
+    return p
+
+
+def test_measured_pace_overrules_the_cost_curve():
+    """The curve prices each process alone; a draft model sharing the target's cores slows every
+    round it runs in. When the clock says rounds with the drafter emit tokens more slowly than
+    plain rounds, drafting stops, whatever the curve says; when it says they emit faster, it
+    goes on."""
+    p = paying_policy()
+    assert p.drafting_pays() and p.measured_speedup() is None  # the curve alone: it pays
+    for _ in range(10):
+        p.observe_pace(2, 0.080, drafted=True)  # 25 tokens/s with the drafter
+        p.observe_pace(1, 0.033, drafted=False)  # 30 tokens/s without
+    assert p.measured_speedup() == pytest.approx(25 / 30.3, rel=0.01)
+    assert not p.drafting_pays()
+    assert [p.should_draft() for _ in range(8)].count(True) == 1  # exploring only
+    q = paying_policy()
+    for _ in range(10):
+        q.observe_pace(3, 0.080, drafted=True)
+        q.observe_pace(1, 0.033, drafted=False)
+    assert q.drafting_pays() and all(q.should_draft() for _ in range(6))
+
+
+def test_while_drafting_pays_a_plain_round_is_timed_now_and_then():
+    """Without a recent plain round there is nothing to compare the drafting rounds with, so the
+    policy runs one every so often (once the last has faded from the pace), and never for a
+    nearly free drafter."""
+    p = paying_policy()
+    decisions = []
+    for _ in range(300):
+        d = p.should_draft()
+        decisions.append(d)
+        p.observe_pace(3, 0.080, drafted=d) if d else p.observe_pace(1, 0.033, drafted=False)
+    plain = [i for i, d in enumerate(decisions) if not d]
+    assert plain and plain[0] == 7  # the first after `explore` rounds
+    assert 2 <= len(plain) <= 5  # then each time the last one has faded (about every 90 rounds)
+    free = policy(CPU, p.state(), explore=8)  # an n-gram lookup: looking costs nothing
+    assert all(free.should_draft() for _ in range(300))
+
+
+def test_the_measured_pace_is_shared_state():
+    p = paying_policy()
+    for _ in range(4):
+        p.observe_pace(2, 0.080, drafted=True)
+        p.observe_pace(1, 0.033, drafted=False)
+    q = policy(p.costs, p.state())
+    assert q.measured_speedup() == pytest.approx(p.measured_speedup())
