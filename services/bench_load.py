@@ -70,6 +70,7 @@ def add_command(sub) -> None:
     b.add_argument("--drafter", help="the draft service's drafter (services started here)")
     b.add_argument("--target-model", default="embedded")
     b.add_argument("--target-flags", default="", help="extra `specd serve target` flags, e.g. '--kv-slots 0'")
+    b.add_argument("--draft-flags", default="", help="extra `specd serve draft` flags, e.g. '--load-draft-caps 8:0'")
     b.add_argument("--no-overlap", action="store_true", help="PEARL off (services started here)")
     b.add_argument("--long-prompt-tokens", type=int, default=0,
                    help="closed-loop levels: one more request with a prompt of about this many tokens "
@@ -325,6 +326,8 @@ def report(doc: dict) -> str:
             f"{lvl} {mode}: {r['refused']} ({r['refused_with_retry_after']} with Retry-After), answered in "
             f"p50 {r['refused_ms']['p50']} / p95 {r['refused_ms']['p95']} / max {r['refused_ms']['p99']} ms"
             for lvl, mode, r in refusing) + "."]
+    if doc.get("target_costs"):
+        lines += ["", _surface_line(doc["target_costs"])]
     memory = {when: by for when, by in (doc.get("memory_mb") or {}).items() if by}
     if memory:
         lines += ["", "Resident memory of the services (MB): " + "; ".join(
@@ -376,6 +379,28 @@ def plots(doc: dict, out: Path) -> list[Path]:
     return paths
 
 
+async def target_costs(address: str) -> dict:
+    """The cost surface the target service measured at start-up (its Info): seconds of a
+    one-session forward over n = 1.. new tokens, of B sessions x 1 token, and of each further token
+    in a forward of B sessions. What throughput and TTFT under load can be read against."""
+    from services.common.server import channel
+    from services.proto.specd.common.v1 import common_pb2
+    from services.proto.specd.target.v1 import target_pb2_grpc
+
+    async with channel(address) as ch:
+        info = await target_pb2_grpc.TargetServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=10)
+    return {"verify_s": list(info.verify_seconds), "batch_s": list(info.batch_seconds),
+            "batch_token_s": list(info.batch_token_seconds)}
+
+
+def _surface_line(costs: dict) -> str:
+    one, batch = costs["verify_s"], costs["batch_s"]
+    parts = [f"a {n}-token forward of one session {1e3 * one[n - 1]:.1f} ms" for n in (1, 2, 9) if n <= len(one)]
+    parts += [f"{b} sessions x 1 token {1e3 * batch[b - 1]:.1f} ms ({batch[b - 1] / batch[0]:.2f}x)"
+              for b in (2, 4, 8, 16) if b <= len(batch) and batch[0] > 0]
+    return "Target's cost surface, measured at its start-up: " + "; ".join(parts) + "."
+
+
 def _rss_mb(pid: int) -> float | None:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -415,18 +440,19 @@ def cmd_bench_load(args) -> int:
     questions = load_questions(args.dataset, limit=args.limit, offset=args.offset)
     bodies = [{"messages": [{"role": "user", "content": q.turns[0]}]} for q in questions]
     procs: dict[str, subprocess.Popen] = {}
-    url, server = args.url, args.url
+    url, server, costs = args.url, args.url, None
     try:
         if url is None:
             plan_args = argparse.Namespace(port=_free_port(), drafter=args.drafter, draft_model=None,
                                            target_model=args.target_model, policy="cost-aware",
                                            no_overlap=args.no_overlap, redis_url=None, dvi=False)
             plan = _plan(plan_args)
-            if args.target_flags:
-                name, flags, port = plan[0]
-                plan[0] = (name, flags + args.target_flags.split(), port)
+            for i, extra in ((0, args.target_flags), (1, args.draft_flags)):  # target, then draft
+                name, flags, port = plan[i]
+                plan[i] = (name, flags + extra.split(), port)
             log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-load-"))
             start_stack(plan, procs, log_dir, 600.0)
+            costs = asyncio.run(target_costs(f"127.0.0.1:{plan[0][2]}"))
             url = f"http://127.0.0.1:{plan[-1][2]}"
             server = "specd services on loopback: " + "; ".join(f"{n} {' '.join(f)}" for n, f, _ in plan)
         doc = asyncio.run(run(args, url, bodies, modes, lambda: {name: _rss_mb(p.pid) for name, p in procs.items()}))
@@ -435,6 +461,8 @@ def cmd_bench_load(args) -> int:
     doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     doc["settings"]["dataset"] = dataset_label(args.dataset)
     doc["machine"], doc["server"] = _machine(), server
+    if costs is not None:
+        doc["target_costs"] = costs
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
     (args.out / "report.md").write_text(report(doc))

@@ -11,8 +11,10 @@ The curve is measured once (`measure_cost_curve`: a few seconds on a CPU, well u
 GPU) and kept current while serving (`observe_*`): t_draft is a moving average of observed
 draft steps, and the target's measured *shape* t_target(n) is kept while one scale factor
 follows the observed forwards (a longer context or a busy machine makes every window slower,
-not one window size). So a policy that reads the curve adapts by itself to the hardware it
-runs on: on a CPU t_target(n) grows steeply with n, on a GPU it is nearly flat.
+not one window size). Both follow `smoothed`, the one smoothing rule of every cost estimate in
+specd and the services (`MovingAverage` holds one such estimate). So a policy that reads the
+curve adapts by itself to the hardware it runs on: on a CPU t_target(n) grows steeply with n,
+on a GPU it is nearly flat.
 
 Under load (the target service verifying many sessions in one forward) a window does not pay
 for a forward of its own: it joins one that the other sessions' steps pay for. The target
@@ -45,6 +47,35 @@ import torch
 from specd.models.kernels import kernels_of
 from specd.types import SamplingParams
 
+SMOOTHING = 0.05  # weight of one new observation in every moving average of a cost
+
+
+def smoothed(value: float | None, x: float, count: int = 1, smoothing: float = SMOOTHING) -> float | None:
+    """The moving average `value` after `count` observations of x: an unset value (None or <= 0)
+    becomes x, else it moves towards x by 1 - (1 - smoothing) ** count, so count observations
+    at once weigh like count single ones. A smoothing of 0 freezes the value."""
+    if count <= 0 or smoothing <= 0:
+        return value
+    if value is None or value <= 0:
+        return x
+    return value + (1.0 - (1.0 - smoothing) ** count) * (x - value)
+
+
+class MovingAverage:
+    """One cost followed while serving (seconds of a step, of a round trip): `smoothed` over the
+    observations, seeded by `value` (unset, 0: the first observation sets it)."""
+
+    __slots__ = ("smoothing", "value")
+
+    def __init__(self, value: float = 0.0, smoothing: float = SMOOTHING):
+        self.value, self.smoothing = value, smoothing
+
+    def observe(self, x: float, count: int = 1) -> None:
+        self.value = smoothed(self.value, x, count, self.smoothing)
+
+    def __repr__(self) -> str:
+        return f"MovingAverage({self.value!r}, smoothing={self.smoothing!r})"
+
 
 @dataclass
 class CostCurve:
@@ -54,7 +85,7 @@ class CostCurve:
     ks: list[int]
     t_target_k: list[float]
     overhead: float = 0.0
-    smoothing: float = 0.05  # weight of one new observation in the moving averages
+    smoothing: float = SMOOTHING  # of t_draft and scale (`smoothed`); 0 freezes the curve
     scale: float = 1.0  # observed / measured target cost, followed while serving
     batch_seconds: list[float] = field(default_factory=list)  # [B-1]: a forward of B sessions x 1 token
     batch_token_seconds: list[float] = field(default_factory=list)  # [B-1]: each further token in it
@@ -130,10 +161,10 @@ class CostCurve:
         """One target forward over n_tokens took `seconds`: follow the scale of the curve."""
         base = self.t_target(n_tokens) / self.scale
         if base > 0 and seconds > 0:
-            self.scale += self.smoothing * (seconds / base - self.scale)
+            self.scale = smoothed(self.scale, seconds / base, smoothing=self.smoothing)
 
     def observe_draft(self, seconds_per_token: float) -> None:
-        self.t_draft += self.smoothing * (seconds_per_token - self.t_draft)
+        self.t_draft = smoothed(self.t_draft, seconds_per_token, smoothing=self.smoothing)
 
     def to_dict(self) -> dict:
         out = {"t_draft_s": self.t_draft, "k": list(self.ks),

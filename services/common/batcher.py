@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.costs import median_time, synthetic_prefix
+from specd.costs import MovingAverage, median_time, synthetic_prefix
 from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
@@ -49,17 +49,6 @@ class BatchInfo:
     forward_seconds: float
     batch_size: int
     batch_tokens: int = 0  # new tokens of every session in the forward
-
-
-class DecodeCost:
-    """The seconds of one plain decoding step (one session, one new token): an exponential
-    moving average over such forwards while serving, seeded by a start-up measurement."""
-
-    def __init__(self, seconds: float = 0.0, alpha: float = 0.1):
-        self.seconds, self.alpha = seconds, alpha
-
-    def observe(self, seconds: float) -> None:
-        self.seconds = seconds if self.seconds <= 0 else self.seconds + self.alpha * (seconds - self.seconds)
 
 
 def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]], num_logits: list[int],
@@ -117,7 +106,7 @@ class StepBatcher:
         self.returning: set = set()  # sessions answered by the last forward and not back yet
         self.last_batch_size = 0
         self.last_forward_s = 0.0
-        self.decode_cost = DecodeCost()
+        self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,

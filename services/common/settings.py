@@ -4,9 +4,10 @@ pydantic-settings class; `SPECD_REDIS_URL` and `SPECD_CACHE_DIR` are shared by a
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -102,6 +103,17 @@ class DraftSettings(ModelSettings, EarlyExitFields):
                                       "pool, each session drafts alone")
     kv_max_len: int = Field(4608, ge=2, le=1 << 20, description="positions of one KV slot (as the target's)")
     max_batch_size: int = Field(16, ge=1, le=256, description="most sessions' draft steps in one forward pass")
+    load_draft_caps: str = Field("", description="let load cap every policy's window, as SESSIONS:CAP pairs: "
+                                                 "'8:4,16:0' allows at most 4 drafts a window while 8 or more "
+                                                 "sessions share the target's forwards and none from 16 (as "
+                                                 "vLLM's speculation cut-off by batch size); empty: no cap by "
+                                                 "load (cost-aware prices the load itself)")
+
+    @field_validator("load_draft_caps")
+    @classmethod
+    def _load_caps(cls, value: str) -> str:
+        parse_load_caps(value)
+        return value
 
 
 class TrainerSettings(ServiceSettings, ModelFields, EarlyExitFields):
@@ -130,6 +142,12 @@ class TargetSettings(ModelSettings):
                                 description="before a forward, wait for the sessions the last forward answered "
                                             "(their next windows are one round trip away), at most this "
                                             "fraction of the last forward's duration (0: never wait)")
+    latency_budget: float = Field(0.0, ge=0.0, le=1000.0,
+                                  description="admit at most as many sessions as keep a forward within this "
+                                              "multiple of a one-session forward, on the cost surface measured "
+                                              "at start-up (2: about twice the unloaded time per token); a "
+                                              "session beyond them is refused at once (RESOURCE_EXHAUSTED, the "
+                                              "gateway's 503 with Retry-After). 0: only kv_slots limits them")
     kv_slots: int = Field(16, ge=0, le=4096,
                           description="sessions the preallocated KV pool holds; a session beyond them is "
                                       "refused at once (RESOURCE_EXHAUSTED). 0: no pool, each session "
@@ -197,3 +215,20 @@ class GatewaySettings(ServiceSettings, SecurityFields):
                                                  "with backoff, /health 503 meanwhile, this long, then exit "
                                                  "non-zero")
     redis_url: str | None = redis_field()
+
+
+def parse_load_caps(text: str) -> tuple[tuple[int, int], ...]:
+    """'8:4,16:0' -> ((8, 4), (16, 0)): at 8 or more sessions in a forward at most 4 drafts a
+    window, at 16 or more none. Sessions must ascend and caps must not grow."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        sessions, sep, cap = part.partition(":")
+        if not sep or not sessions.strip().isdigit() or not cap.strip().isdigit():
+            raise ValueError(f"expected SESSIONS:CAP pairs such as '8:4,16:0', got {part!r}")
+        pairs.append((int(sessions), int(cap)))
+    for (s0, c0), (s1, c1) in pairwise(pairs):
+        if s1 <= s0 or c1 > c0:
+            raise ValueError(f"sessions must ascend and caps must not grow: {s0}:{c0} then {s1}:{c1}")
+    if pairs and pairs[0][0] < 1:
+        raise ValueError("sessions start at 1")
+    return tuple(pairs)

@@ -44,6 +44,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
+from specd.costs import MovingAverage
 from specd.detok import TextStream
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
@@ -86,7 +87,7 @@ class Coordinator:
         self.batch_seconds: list[float] = []  # and its batched cost surface (TargetInfo)
         self.batch_token_seconds: list[float] = []
         self.decode_s: float | None = None  # its current decode cost (Verified)
-        self.round_overhead_s = 0.0  # round trip beyond the forward, a moving average
+        self.round_overhead = MovingAverage()  # seconds of round trip beyond the forward
         self.draft_breaker = Breaker(cfg.draft_cooldown_s)
         self._saves: set[asyncio.Task] = set()  # policy-state saves under way (kept from the GC)
         self._on_close: list = []
@@ -247,7 +248,7 @@ class Coordinator:
                                    verify_seconds=self._scaled(self.verify_seconds),
                                    batch_seconds=self._scaled(self.batch_seconds),
                                    batch_token_seconds=self._scaled(self.batch_token_seconds),
-                                   round_overhead_s=self.round_overhead_s,
+                                   round_overhead_s=self.round_overhead.value,
                                    top_logprobs=draft.top_logprobs, features=draft.needs_features)
 
     def _scaled(self, seconds: list[float]) -> tuple[float, ...]:
@@ -259,9 +260,8 @@ class Coordinator:
     def _follow_costs(self, loop: RequestLoop) -> None:
         if loop.stats.target_decode_s_per_token > 0:
             self.decode_s = loop.stats.target_decode_s_per_token
-        if loop.overhead_n:
-            weight = min(1.0, loop.overhead_n / 50)  # a long request counts more, up to 50 rounds
-            self.round_overhead_s += weight * (loop.overhead_s / loop.overhead_n - self.round_overhead_s)
+        if loop.overhead_n:  # each measured round counts once: a long request counts more
+            self.round_overhead.observe(loop.overhead_s / loop.overhead_n, count=loop.overhead_n)
 
     def _state_key(self, cfg: LoopConfig, drafter: str) -> StateKey:
         return StateKey(drafter, self.target_info.name, cfg.spec.policy, cfg.spec.task_tag)

@@ -10,7 +10,7 @@ import grpc
 from services.common.compute import build_on, compute_thread
 from services.common.security import GrpcSecurity
 from services.common.server import serve_until_signal, start_server
-from services.common.settings import DraftSettings
+from services.common.settings import DraftSettings, parse_load_caps
 from services.draft.servicer import SERVICE_NAME, DraftServicer
 from services.proto.specd.draft.v1 import draft_pb2_grpc
 from specd.errors import InvalidRequest
@@ -57,7 +57,7 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
 
         dvi = RedisDVI(s.redis_url, drafter.name)
     return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s, executor=executor,
-                         max_batch_size=s.max_batch_size)
+                         max_batch_size=s.max_batch_size, load_caps=parse_load_caps(s.load_draft_caps))
 
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:

@@ -96,9 +96,12 @@ class DraftRunner:
                  executor: Executor, publish: Callable[[object], None],
                  on_step: Callable[[float], None] | None = None,
                  log_records: Callable[[list[Record]], None] | None = None,
-                 adapter_version: Callable[[], int] = lambda: 0, batcher: StepBatcher | None = None):
+                 adapter_version: Callable[[], int] = lambda: 0, batcher: StepBatcher | None = None,
+                 load_caps: tuple[tuple[int, int], ...] = ()):
         """batcher: runs this session's draft steps in forwards shared with other sessions, where
-        the session can (a model drafter over a KV pool); otherwise each step runs alone."""
+        the session can (a model drafter over a KV pool); otherwise each step runs alone.
+        load_caps: (sessions, cap) pairs, ascending: with at least `sessions` sessions in the
+        target's last forward for this session, a window holds at most `cap` drafts (0: none)."""
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this runner's own drafts
         self.prompt_len = len(prompt)
@@ -121,6 +124,8 @@ class DraftRunner:
         self.draft_seconds = 0.0
         self.generator = request_generator(sampling)
         self.last_commit_at: float | None = None  # the measured pace times commit to commit
+        self.load_caps = load_caps
+        self.sessions = 1  # in the target forward that verified this session's last chunk
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -171,7 +176,7 @@ class DraftRunner:
         self.policy.begin_round()
         window = _Window(len(self.seq))
         self.windows.append(window)
-        if not self.policy.should_draft():
+        if self._cap() == 0 or not self.policy.should_draft():
             window.gated = True
             self._end(window, "policy")  # an empty window: the coordinator verifies a plain step
             return None
@@ -193,11 +198,19 @@ class DraftRunner:
                            d.q if self.send_q else None))
         if decision is Decision.STOP:
             self._end(window, "policy")
-        elif len(window.tokens) >= self.policy.params.max_draft_tokens:
+        elif len(window.tokens) >= self._cap():
             window.hit_cap = True
             self._end(window, "cap")
         elif len(self.seq) > self.max_length - 2:  # a draft here could never be followed by the target's
             self._end(window, "length")
+
+    def _cap(self) -> int:
+        """Drafts a window may hold: the policy's cap, lowered by the load (load_caps)."""
+        cap = self.policy.params.max_draft_tokens
+        for sessions, load_cap in self.load_caps:
+            if self.sessions >= sessions:
+                cap = min(cap, load_cap)
+        return cap
 
     def _end(self, window: _Window, reason: str) -> None:
         window.ended = True
@@ -207,6 +220,7 @@ class DraftRunner:
     def commit(self, c: Commit) -> None:
         s, n = self.committed, len(c.tokens) - 1
         self._pace(s, len(c.tokens))
+        self.sessions = 1 + c.other_sessions
         if self.policy.resources.costs is not None:
             self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens)
         for i in range(n):
@@ -308,3 +322,4 @@ class DraftRunner:
                                   version))
         if records:
             self.log_records(records)
+

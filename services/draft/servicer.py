@@ -22,7 +22,7 @@ from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
-from specd.costs import CostCurve, measure_t_draft, synthetic_prefix
+from specd.costs import CostCurve, MovingAverage, measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
@@ -37,9 +37,12 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
                  registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0,
-                 executor: ThreadPoolExecutor | None = None, max_batch_size: int = 16):
+                 executor: ThreadPoolExecutor | None = None, max_batch_size: int = 16,
+                 load_caps: tuple[tuple[int, int], ...] = ()):
         """executor: the compute thread (services.common.compute), one model, one thread.
-        max_batch_size: most sessions' draft steps in one forward (model drafters over a KV pool)."""
+        max_batch_size: most sessions' draft steps in one forward (model drafters over a KV pool).
+        load_caps: windows capped by the target's load (services.common.settings.parse_load_caps)."""
+        self.load_caps = load_caps
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = executor or compute_thread("draft")
         # Draft steps of concurrent sessions share forwards; a session comes back at once when its
@@ -52,7 +55,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     lambda: sum(r.session.nbytes() for r in list(self.runners)))
         # Seconds per draft step: measured at start-up, then a moving average of served steps.
         prefix = synthetic_prefix(model.vocab_size if model is not None else 1000)
-        self.t_draft = measure_t_draft(drafter, prefix, repeats=3)
+        self.t_draft = MovingAverage(measure_t_draft(drafter, prefix, repeats=3))
         self.learning: OnlineLearning | None = None  # DVI: started by start_learning()
         if dvi is not None:
             if not drafter.learns_online:
@@ -136,7 +139,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
                            msg.lookahead, send_q, self.executor, publish, self._on_step,
                            learning.log if learning is not None else None,
-                           lambda: self.drafter.lora_version, self.batcher)
+                           lambda: self.drafter.lora_version, self.batcher, self.load_caps)
 
     def _costs(self, msg: draft_pb2.OpenDraft) -> CostCurve:
         """This session's cost curve: the target's (from the coordinator) and this service's t_draft."""
@@ -146,7 +149,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         ts = list(msg.verify_seconds)
         if len(msg.batch_token_seconds) != len(msg.batch_seconds):
             raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
-        return CostCurve(self.t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
+        return CostCurve(self.t_draft.value, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
                          batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
 
     def _on_batch(self, sessions: int, tokens: int, waits: list[float]) -> None:
@@ -154,7 +157,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _on_step(self, seconds: float) -> None:
         self.metrics.step_s.observe(seconds)
-        self.t_draft += 0.01 * (seconds - self.t_draft)
+        self.t_draft.observe(seconds)
 
 
 async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:

@@ -28,7 +28,7 @@ def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off")
     use_pool(target, s)
     return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
-                          executor=executor)
+                          executor=executor, latency_budget=s.latency_budget)
 
 
 def use_pool(target, s: TargetSettings) -> None:

@@ -5,6 +5,7 @@ batching of concurrent sessions is services.common.batcher."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +32,17 @@ from specd.costs import measure_t_target, synthetic_prefix
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
-                 prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None):
-        """executor: the compute thread (services.common.compute), one model, one thread."""
+                 prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None,
+                 latency_budget: float = 0.0):
+        """executor: the compute thread (services.common.compute), one model, one thread.
+        latency_budget: admit only as many sessions as keep a forward within this multiple of a
+        one-session forward (0: no such cap; the KV pool's slots still limit them)."""
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.executor = executor or compute_thread("target")
@@ -45,7 +50,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
-                                     lambda: self.batcher.decode_cost.seconds, self._kv_slots,
+                                     lambda: self.batcher.decode_cost.value, self._kv_slots,
                                      lambda: len(self.batcher.queue))
         self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
@@ -55,6 +60,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher.decode_cost.observe(self.verify_seconds[0])
         # What a forward of B sessions costs, for policies that price a window in the batch it joins.
         self.batch_seconds, self.batch_token_seconds = measure_batch_surface(target, max_batch_size)
+        self.max_sessions = sessions_within_budget(self.batch_seconds, latency_budget) if latency_budget else None
+        if self.max_sessions is not None:
+            log.info("latency budget %.2fx: at most %d sessions at once", latency_budget, self.max_sessions)
 
     @property
     def active_sessions(self) -> int:
@@ -91,6 +99,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
+            if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+                raise Overloaded(f"serving {len(self.sessions)} sessions, the most within its latency budget")
             session = TargetSession(self.target, list(first.open.prompt_ids),
                                     sampling_from_proto(first.open.sampling), first.open.features)
         except Overloaded:
@@ -144,7 +154,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
-            decode_seconds_per_token=self.batcher.decode_cost.seconds))
+            decode_seconds_per_token=self.batcher.decode_cost.value))
 
     def _distributions(self, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""
@@ -157,6 +167,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                 for d in msg.distributions])
         except ValueError as e:
             raise InvalidRequest("distributions", str(e)) from None
+
+
+def sessions_within_budget(batch_seconds: list[float], budget: float) -> int:
+    """The most sessions whose shared forward costs at most `budget` times a one-session forward
+    (batch_seconds[B - 1]: B sessions x 1 token, measured at start-up); at least 1."""
+    if not batch_seconds or batch_seconds[0] <= 0:
+        return 1
+    return max([b for b, t in enumerate(batch_seconds, 1) if t <= budget * batch_seconds[0]], default=1)
 
 
 def measure_verify_seconds(target: LoadedModel, max_tokens: int = 17) -> list[float]:

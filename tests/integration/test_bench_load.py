@@ -35,6 +35,11 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
             assert answers[0] == reference(16)[1]  # the in-process target alone's text
         for mode in ("heuristic", "cost-aware"):
             assert doc["compare"][level][mode]["identical_to_none"] == "4/4"
+    costs = asyncio.run(bench_load.target_costs(stack.address("target")))  # what results.json records
+    assert len(costs["verify_s"]) == 17 and len(costs["batch_s"]) == len(costs["batch_token_s"]) >= 2
+    assert all(t > 0 for t in costs["verify_s"] + costs["batch_s"])
     report = bench_load.report({**doc, "settings": {"limit": 4, "dataset": "x.jsonl", "max_tokens": 16,
-                                                    "temperature": 0.0}, "machine": "m", "server": "s"})
+                                                    "temperature": 0.0}, "machine": "m", "server": "s",
+                                "target_costs": costs})
     assert report.count("| c4 |") == 3
+    assert "a 1-token forward of one session" in report and "4 sessions x 1 token" in report

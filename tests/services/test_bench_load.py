@@ -33,3 +33,11 @@ def test_the_long_prompt_is_reported_apart_and_refusals_with_their_latency():
     assert s["refused_ms"]["p95"] == 4.0
     messages = bench_load.long_messages(["What is a cache?", "Why?"], 100)
     assert len(messages[0]["content"]) == 400 and "What is a cache?" in messages[0]["content"]
+
+
+def test_the_report_states_the_targets_cost_surface():
+    costs = {"verify_s": [0.030 + 0.001 * n for n in range(17)], "batch_s": [0.030, 0.033, 0.040, 0.052],
+             "batch_token_s": [0.002] * 4}
+    line = bench_load._surface_line(costs)
+    assert "a 1-token forward of one session 30.0 ms" in line and "a 9-token forward of one session 38.0 ms" in line
+    assert "4 sessions x 1 token 52.0 ms (1.73x)" in line and "8 sessions" not in line

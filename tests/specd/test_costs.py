@@ -1,4 +1,5 @@
-"""The cost curve: interpolation, the on-disk cache of the start-up measurement."""
+"""The cost curve: interpolation, the on-disk cache of the start-up measurement, and the one
+smoothing rule every cost estimate follows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from specd import costs
-from specd.costs import CostCurve, cached_cost_curve, curve_key
+from specd.costs import SMOOTHING, CostCurve, MovingAverage, cached_cost_curve, curve_key, smoothed
 from specd.drafters import NgramDrafter
 
 
@@ -45,3 +46,49 @@ def test_the_monotone_curve_irons_out_noisy_medians():
     assert curve.t_monotone(6) > curve.t_monotone(4)  # extrapolated with the fitted slope
     curve.scale = 2.0
     assert curve.t_monotone(1) == pytest.approx(0.100)
+
+
+@pytest.mark.parametrize("unset", [None, 0.0, -1.0])
+def test_the_first_observation_replaces_an_unset_value(unset):
+    average = MovingAverage(unset)
+    average.observe(0.030)
+    assert average.value == 0.030
+    average.observe(0.040)  # then it moves by the smoothing weight only
+    assert average.value == pytest.approx(0.030 + SMOOTHING * 0.010)
+    assert MovingAverage().value == 0.0  # unset by default
+
+
+def test_count_observations_at_once_weigh_like_as_many_single_ones():
+    singles, batch = MovingAverage(0.010), MovingAverage(0.010)
+    for _ in range(7):
+        singles.observe(0.020)
+    batch.observe(0.020, count=7)
+    assert batch.value == pytest.approx(singles.value)
+    assert batch.value == pytest.approx(0.020 - 0.010 * (1 - SMOOTHING) ** 7)
+    batch.observe(1.0, count=0)  # nothing observed: nothing moves
+    assert batch.value == pytest.approx(singles.value)
+
+
+def test_a_smoothing_of_zero_freezes_the_value_even_unset():
+    frozen = MovingAverage(0.0, smoothing=0.0)
+    frozen.observe(0.5, count=3)
+    assert frozen.value == 0.0
+    assert smoothed(0.2, 0.5, 10, smoothing=0.0) == 0.2
+
+
+def test_a_frozen_curve_does_not_move():
+    curve = CostCurve(0.0, [1, 2, 4], [0.010, 0.020, 0.040], smoothing=0.0)
+    for _ in range(10):
+        curve.observe_target(2, 0.040)
+        curve.observe_draft(0.003)
+    assert curve.t_draft == 0.0 and curve.scale == 1.0
+    assert curve.round_time(3) == pytest.approx(0.040)  # t_target(4) as measured
+
+
+def test_a_live_curve_follows_the_same_rule():
+    curve = CostCurve(0.0, [1, 2, 4], [0.010, 0.020, 0.040])
+    curve.observe_draft(0.003)  # an unset t_draft takes the first observation
+    assert curve.t_draft == 0.003
+    curve.observe_target(2, 0.040)  # twice the measured 0.020: the scale moves one step towards 2
+    assert curve.scale == pytest.approx(smoothed(1.0, 2.0))
+    assert curve.t_target(4) == pytest.approx(0.040 * curve.scale)

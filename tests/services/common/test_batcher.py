@@ -1,6 +1,6 @@
 """The verification batcher's step scheduling: sessions the last forward answered are waited for
 (briefly), so a batch does not split into halves that each run while the other travels; a
-session that ended is not waited for."""
+session that ended is not waited for. And the decode cost it follows from plain steps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from services.common.batcher import StepBatcher
+from specd.costs import smoothed
 
 
 @pytest.fixture
@@ -96,3 +97,33 @@ def test_a_session_whose_step_fails_fails_alone(pooled):
     good, failed = asyncio.run(main())
     assert good[0] == "ok" and good[1].batch_size == 2
     assert isinstance(failed, ValueError)
+
+
+def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
+    """One session and one token is a plain decoding step: the first sets the decode cost, the
+    next moves it by the shared smoothing rule; a forward of two sessions is not one."""
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        batcher = StepBatcher(pooled.model, executor, 8, gather=0.0)
+        a, b = pooled.session(), pooled.session()
+        for s in (a, b):
+            s.extend([3, 4, 5], 1)
+        try:
+            costs = []
+            (_, first), = await _round(batcher, [a])
+            costs.append(batcher.decode_cost.value)
+            (_, second), = await _round(batcher, [a])
+            costs.append(batcher.decode_cost.value)
+            (_, shared), _ = await _round(batcher, [a, b])
+            costs.append(batcher.decode_cost.value)
+            return first, second, shared, costs
+        finally:
+            batcher.close()
+            executor.shutdown()
+            a.close()
+            b.close()
+
+    first, second, shared, (seeded, followed, after) = asyncio.run(main())
+    assert seeded == first.forward_seconds
+    assert followed == pytest.approx(smoothed(first.forward_seconds, second.forward_seconds))
+    assert shared.batch_size == 2 and after == followed

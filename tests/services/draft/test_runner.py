@@ -318,3 +318,31 @@ def test_the_pace_times_each_round_and_says_whether_the_drafter_ran():
     # the first commit (which also waited for the prefill) is not timed; rounds 2..5 alternate
     assert [(t, d) for t, _, d in policy.paces] == [(1, False), (2, True), (1, False), (2, True)]
     assert all(s > 0 for _, s, _ in policy.paces)
+
+
+def test_load_caps_shorten_windows_as_the_target_forward_fills():
+    """load_draft_caps (vLLM's cut-off by batch size, for any policy): constant K = 8 drafts 8
+    alone, at most 2 while 4 or more sessions share the target's forward, none from 8 on (a plain
+    round), and 8 again once the load falls."""
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 8}, {}), SamplingParams(), PROMPT,
+                             max_length=256, lookahead=1, send_q=False, executor=executor,
+                             publish=events.append, load_caps=((4, 2), (8, 0)))
+        task = asyncio.create_task(runner.run())
+        windows = []
+        for commit_id, others in enumerate([3, 9, 0, 0], 1):  # the load each window then sees
+            await settle()
+            while executor.pending:
+                executor.step()
+                await settle()
+            end = [e for e in events if isinstance(e, WindowEnd)][-1]
+            windows.append((end.end - end.start, end.reason))
+            drafted = tuple(runner.seq[end.start:end.end])
+            runner.commit(Commit(commit_id, drafted + (7,), num_verified=len(drafted), num_strict=len(drafted),
+                                 other_sessions=others))
+        task.cancel()
+        return windows
+
+    assert asyncio.run(run()) == [(8, "policy"), (2, "cap"), (0, "policy"), (8, "policy")]

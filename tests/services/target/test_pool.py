@@ -132,3 +132,49 @@ def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled
     assert all(t > 0 for t in info.batch_seconds) and all(t >= 0 for t in info.batch_token_seconds)
     assert (plain.batch_size, plain.batch_tokens) == (1, 1)  # the pending token alone
     assert (window.batch_size, window.batch_tokens) == (1, 4)  # the pending token and three drafts
+
+
+def test_sessions_within_a_latency_budget_follow_the_cost_surface():
+    from services.target.servicer import sessions_within_budget
+
+    surface = [0.030, 0.032, 0.036, 0.042, 0.050, 0.061, 0.075, 0.092]  # B = 1..8 sessions x 1 token
+    assert sessions_within_budget(surface, 2.0) == 5  # 0.050 <= 0.060 < 0.061
+    assert sessions_within_budget(surface, 1000.0) == 8
+    assert sessions_within_budget(surface, 0.5) == 1  # always one
+    assert sessions_within_budget([], 2.0) == 1
+
+
+def test_a_session_beyond_the_latency_budget_is_refused_and_the_others_go_on(service_loop, chat_pair):
+    """--latency-budget: with the surface measured for 2 sessions and a budget every size meets,
+    the cap is 2 sessions (the pool has 4 slots); the third is refused with RESOURCE_EXHAUSTED at
+    once and the two open ones are served undisturbed; a closed one makes room again."""
+    target = replace(chat_pair[0])
+    target.use_pool(4, 128)
+    servicer = TargetServicer(target, max_batch_size=2, latency_budget=1000.0)
+    assert servicer.max_sessions == 2
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+
+    async def run():
+        async with channel(svc.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            held = [await _open(stub), await _open(stub, PROMPT[:5])]
+            first = [await _verify(c, []) for c in held]
+            extra = await _open(stub)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "latency budget" in refused.value.details()
+            again = [await _verify(c, [], 2) for c in held]
+            assert all(a.num_accepted == 0 for a in again)
+            await _close(held[0])
+            await asyncio.sleep(0.2)
+            replacement = await _open(stub)
+            assert (await _verify(replacement, [])).next_token == first[0].next_token
+            for c in (held[1], replacement):
+                await _close(c)
+
+    try:
+        asyncio.run(run())
+    finally:
+        svc.stop()
