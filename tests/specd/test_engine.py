@@ -18,6 +18,7 @@ from specd.drafters import (
     NgramDrafter,
     RetrievalDrafter,
 )
+from specd.drafters.base import Drafter, DraftSession, DraftToken
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.tiny import loaded
@@ -280,6 +281,46 @@ def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_d
     assert 0.75 * (out.stats.verifications - 1) < timed < out.stats.verifications - 1 + 1e-9
     assert state["pace:drafted_rounds"] > 0 and state["pace:drafted_seconds"] > 0
     assert state["pace:drafted_tokens"] + state["pace:plain_tokens"] <= N
+
+
+class WrongDrafter(Drafter):
+    """A deliberately bad drafter that is sure of itself: q(x) = 1 for a token the tiny target
+    almost never picks."""
+
+    kind = "wrong"
+    has_distribution = False
+
+    @property
+    def name(self) -> str:
+        return "wrong"
+
+    def open(self, vocab_size: int | None = None) -> DraftSession:
+        class Session(DraftSession):
+            def next(self, seq, params, generator, want_hidden):
+                return DraftToken((seq[-1] * 7 + 3) % 97, None, 1.0, 1.0, 0.0)
+
+            def rollback(self, length: int) -> None:
+                pass
+
+        return Session()
+
+
+# A free drafter on a flat curve: a wrong window of 16 costs what a wrong window of 1 does, so it
+# stops drafting once the estimate says a first token is not worth its forward. A drafter that
+# costs half a step: its first window shrinks at once.
+@pytest.mark.parametrize("t_draft, most_windows", [(0.0, 10), (0.005, 3)])
+def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_request(tiny_target, hf_greedy, t_draft,
+                                                                                 most_windows):
+    """Issue 31's cold start: empty state, a drafter that is nearly always wrong yet sure of itself
+    (so the prior believes it). Within the one request cost-aware learns it: after a few windows
+    it drafts none (plain steps) or at most one token, and the output is the target alone's."""
+    curve = CostCurve(t_draft, list(range(1, 18)), [0.01 * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
+    engine = SpeculativeEngine(tiny_target, WrongDrafter(), costs=curve)
+    out = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=48), SpecParams("cost-aware"))
+    assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[1], 48)
+    lengths = out.stats.draft_lengths  # of the rounds that drafted; the others were plain steps
+    assert lengths[0] >= 3  # the prior trusted q(x) = 1 at first
+    assert len(lengths) <= most_windows and max(lengths[2:], default=0) <= (16 if t_draft == 0 else 1)
 
 # The test curves are frozen (smoothing 0: the rounds' timings do not move them). A curve that
 # followed the tiny models' real timings would make the policies' choices depend on the machine's
