@@ -143,11 +143,12 @@ class TargetSettings(ModelSettings):
                                             "(their next windows are one round trip away), at most this "
                                             "fraction of the last forward's duration (0: never wait)")
     latency_budget: float = Field(0.0, ge=0.0, le=1000.0,
-                                  description="admit at most as many sessions as keep a forward within this "
-                                              "multiple of a one-session forward, on the cost surface measured "
-                                              "at start-up (2: about twice the unloaded time per token); a "
-                                              "session beyond them is refused at once (RESOURCE_EXHAUSTED, the "
-                                              "gateway's 503 with Retry-After). 0: only kv_slots limits them")
+                                  description="keep the time per generated token within this multiple of a "
+                                              "one-token forward alone: a new session is refused at once "
+                                              "(RESOURCE_EXHAUSTED, the gateway's 503 with Retry-After) while "
+                                              "the open sessions' time per token is over it, or when more "
+                                              "sessions than the start-up cost surface allows are open. 0: only "
+                                              "kv_slots limits sessions")
     kv_slots: int = Field(16, ge=0, le=4096,
                           description="sessions the preallocated KV pool holds; a session beyond them is "
                                       "refused at once (RESOURCE_EXHAUSTED). 0: no pool, each session "

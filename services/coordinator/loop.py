@@ -119,6 +119,7 @@ class RequestLoop:
         self.events: asyncio.Queue = asyncio.Queue()
         self.drafts: dict[int, draft_pb2.DraftToken] = {}  # position -> token, ahead of self.seq
         self.window_ends: list[draft_pb2.WindowEnd] = []
+        self.plain_until = 0  # the draft drafts nothing before this position: plain rounds, no waiting
         self.epoch = 0  # the draft's epoch as of its last acknowledgement
         self.unacked = 0
         self.threshold: float | None = None
@@ -289,6 +290,9 @@ class RequestLoop:
             self.drafts[msg.token.position] = msg.token
         elif kind == "window_end" and msg.window_end.epoch >= self.epoch:
             self.window_ends.append(msg.window_end)
+            w = msg.window_end
+            if w.start == w.end and w.plain_rounds > 1:
+                self.plain_until = max(self.plain_until, w.start + w.plain_rounds)
             if msg.window_end.HasField("relaxed_threshold"):
                 self.threshold = msg.window_end.relaxed_threshold
         elif kind == "ack":
@@ -312,9 +316,13 @@ class RequestLoop:
         """The drafts to verify now ([] = a plain decoding step), or None to wait for the draft."""
         if self.draft_stub is None or self.stats.fallback:
             return []
+        c = len(self.seq)
+        if c < self.plain_until:
+            return []  # a plain round the draft promised: its commits need no acknowledgement first
+        if self.cfg.overlap and c == len(self.cfg.prompt) and not self.drafts and not self.window_ends:
+            return []  # PEARL: the first token does not wait for the draft's prefill
         if self.unacked:
             return None
-        c = len(self.seq)
         limit = self.cfg.max_length - 1 - c  # the target emits one token after the chunk
         if limit <= 0:
             return []  # the last token: nothing may be drafted, the draft waits

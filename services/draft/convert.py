@@ -53,7 +53,7 @@ def event_to_proto(event) -> draft_pb2.DraftResponse:
         return draft_pb2.DraftResponse(token=tok)
     if isinstance(event, WindowEnd):
         end = draft_pb2.WindowEnd(epoch=event.epoch, start=event.start, end=event.end,
-                                  reason=REASONS[event.reason])
+                                  reason=REASONS[event.reason], plain_rounds=event.plain_rounds)
         if event.relaxed_threshold is not None:
             end.relaxed_threshold = event.relaxed_threshold
         return draft_pb2.DraftResponse(window_end=end)

@@ -51,6 +51,7 @@ class WindowEnd:
     end: int
     reason: str  # policy | cap | no_proposal | length
     relaxed_threshold: float | None
+    plain_rounds: int = 0  # an empty window opening this many plain rounds (the coordinator need not wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,7 @@ class DraftRunner:
         self.last_commit_at: float | None = None  # the measured pace times commit to commit
         self.load_caps = load_caps
         self.sessions = 1  # in the target forward that verified this session's last chunk
+        self.plain_until = 0  # no drafting before this position: a stretch of plain rounds promised
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -171,14 +173,21 @@ class DraftRunner:
             return self.windows[-1]
         if len(self.windows) >= self.lookahead or len(self.seq) > self.max_length - 2:
             return None
+        if len(self.seq) < self.plain_until:
+            return None  # inside a stretch of plain rounds
         if self.windows and not self.windows[-1].tokens:
             return None  # an empty window: nothing new to draft from until a commit
         self.policy.begin_round()
         window = _Window(len(self.seq))
         self.windows.append(window)
-        if self._cap() == 0 or not self.policy.should_draft():
+        by_load = self._cap() == 0
+        if by_load or not self.policy.should_draft():
+            # An empty window: the coordinator verifies a plain step, and the next ones too where
+            # the policy already knows it will not draft (no round trip to the draft for them).
             window.gated = True
-            self._end(window, "policy")  # an empty window: the coordinator verifies a plain step
+            rounds = 1 if by_load else max(1, min(self.policy.plain_rounds(), self.max_length - 1 - window.start))
+            self.plain_until = window.start + rounds
+            self._end(window, "policy", rounds)
             return None
         return window
 
@@ -212,9 +221,10 @@ class DraftRunner:
                 cap = min(cap, load_cap)
         return cap
 
-    def _end(self, window: _Window, reason: str) -> None:
+    def _end(self, window: _Window, reason: str, plain_rounds: int = 0) -> None:
         window.ended = True
-        self.publish(WindowEnd(self.epoch, window.start, window.end, reason, self.policy.relaxed_threshold()))
+        self.publish(WindowEnd(self.epoch, window.start, window.end, reason, self.policy.relaxed_threshold(),
+                               plain_rounds))
 
     # -- commits (on the event loop) --------------------------------------------------------
     def commit(self, c: Commit) -> None:
@@ -264,8 +274,11 @@ class DraftRunner:
         verified in parts is timed per part; a chunk with no window of its own is not timed."""
         now = time.perf_counter()
         window = next((w for w in self.windows if w.start == start), None)
-        if self.last_commit_at is not None and window is not None:
-            self.policy.observe_pace(tokens, now - self.last_commit_at, not window.gated)
+        if self.last_commit_at is not None:
+            if window is not None:
+                self.policy.observe_pace(tokens, now - self.last_commit_at, not window.gated)
+            elif start < self.plain_until:  # a promised plain round has no window of its own
+                self.policy.observe_pace(tokens, now - self.last_commit_at, False)
         self.last_commit_at = now
 
     def _cut_open_window(self, at: int) -> None:

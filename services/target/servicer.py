@@ -28,7 +28,7 @@ from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
-from specd.costs import measure_t_target, synthetic_prefix
+from specd.costs import MovingAverage, measure_t_target, synthetic_prefix
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
@@ -60,9 +60,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher.decode_cost.observe(self.verify_seconds[0])
         # What a forward of B sessions costs, for policies that price a window in the batch it joins.
         self.batch_seconds, self.batch_token_seconds = measure_batch_surface(target, max_batch_size)
+        # Admission by latency: at most the sessions the surface allows, and none while the time
+        # per token the open sessions see is over budget (both against a one-token forward alone).
+        self.latency_budget = latency_budget
         self.max_sessions = sessions_within_budget(self.batch_seconds, latency_budget) if latency_budget else None
+        self.token_time = MovingAverage()  # seconds between a session's verifications, per token emitted
         if self.max_sessions is not None:
-            log.info("latency budget %.2fx: at most %d sessions at once", latency_budget, self.max_sessions)
+            log.info("latency budget %.2fx (%.1f ms a token): at most %d sessions at once", latency_budget,
+                     1e3 * latency_budget * self.verify_seconds[0], self.max_sessions)
 
     @property
     def active_sessions(self) -> int:
@@ -99,8 +104,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
-            if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
-                raise Overloaded(f"serving {len(self.sessions)} sessions, the most within its latency budget")
+            self._admit()
             session = TargetSession(self.target, list(first.open.prompt_ids),
                                     sampling_from_proto(first.open.sampling), first.open.features)
         except Overloaded:
@@ -133,6 +137,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.sessions.discard(session)
             self.batcher.forget(session.kv)
 
+    def _admit(self) -> None:
+        """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) where the latency
+        budget says so: at the surface's cap, or while the open sessions' time per token is over
+        budget times a one-token forward alone."""
+        if not self.latency_budget or not self.sessions:
+            return
+        if len(self.sessions) >= self.max_sessions:
+            raise Overloaded(f"serving {len(self.sessions)} sessions, the most within its latency budget")
+        budget = self.latency_budget * self.verify_seconds[0]
+        if self.token_time.value > budget:
+            raise Overloaded(f"serving {len(self.sessions)} sessions at {1e3 * self.token_time.value:.0f} ms a "
+                             f"token, over its latency budget of {1e3 * budget:.0f} ms")
+
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         drafts = list(msg.tokens)
         session.check_window(drafts, list(msg.probs), bool(msg.distributions), msg.relaxed, msg.top_logprobs)
@@ -149,6 +166,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         (verdict, top, feats), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge,
                                                                  session.features)
         self.metrics.observe_verify(len(drafts), batch.forward_seconds)
+        now = time.perf_counter()
+        if session.last_reply_at is not None:  # the time per token this session sees
+            self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
+        session.last_reply_at = now
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
             top_logprobs=top_logprobs_to_proto(top), features=feats,
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,

@@ -28,6 +28,7 @@ class TargetSession:
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
         self.generator = request_generator(sampling, target.device)
+        self.last_reply_at: float | None = None  # when its last verification was answered
 
     def prefill(self, chunk: int = 0) -> bool:
         """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft

@@ -102,6 +102,12 @@ class StoppingPolicy(ABC):
         decoding step (a policy that expects drafting not to pay for its cost)."""
         return True
 
+    def plain_rounds(self) -> int:
+        """Asked right after should_draft said False: how many rounds, this one included, will
+        be plain for certain. The policy is not asked again before they are over (so a draft
+        service need not be consulted on each of them); it counts them as asked."""
+        return 1
+
     @abstractmethod
     def decide(self, step: DraftStep) -> Decision:
         """After drafting step.index tokens this round: continue, stop, or drop this token."""

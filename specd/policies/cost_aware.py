@@ -203,6 +203,14 @@ class CostAwarePolicy(StoppingPolicy):
             return True
         return False
 
+    def plain_rounds(self) -> int:
+        """While drafting does not pay, every round up to the next exploring one is plain."""
+        if self.since_explore == 0:  # a plain round that drafting pays for (a probe): this one
+            return 1
+        rounds = self.backoff - self.since_explore
+        self.since_explore += rounds - 1
+        return rounds
+
     def drafting_pays(self) -> bool:
         """Whether the rounds that drafted emitted tokens at least PAYOFF_MARGIN as fast as plain
         steps: on the measured pace when both kinds of round have been timed, else on the cost

@@ -346,3 +346,54 @@ def test_load_caps_shorten_windows_as_the_target_forward_fills():
         return windows
 
     assert asyncio.run(run()) == [(8, "policy"), (2, "cap"), (0, "policy"), (8, "policy")]
+
+
+class PlainStretches(StoppingPolicy):
+    """Declines four rounds at a time, then drafts one token; records the pace."""
+
+    name = "plain-stretches"
+
+    def __init__(self):
+        super().__init__(PolicyParams())
+        self.asked = 0
+        self.paces: list[bool] = []
+
+    def should_draft(self):
+        self.asked += 1
+        return self.asked % 2 == 0  # asked once per stretch: declines, then drafts
+
+    def plain_rounds(self):
+        return 4
+
+    def decide(self, step):
+        return Decision.STOP
+
+    def observe_pace(self, tokens, seconds, drafted):
+        self.paces.append(drafted)
+
+
+def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it_ends():
+    """A policy that knows it will not draft for four rounds says so in one empty WindowEnd
+    (plain_rounds 4): the coordinator then verifies four plain steps without waiting on the
+    draft, the runner drafts nothing until they are committed, and each is timed as plain."""
+    policy = PlainStretches()
+
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=2,
+                             send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        for commit_id in range(1, 5):  # the four plain rounds, committed one by one
+            assert not executor.pending  # nothing drafted inside the stretch
+            runner.commit(Commit(commit_id, (7,), num_verified=0, num_strict=0))
+            await settle()
+        assert executor.pending  # the stretch is over: the next window drafts
+        task.cancel()
+        return events
+
+    events = asyncio.run(run())
+    ends = [e for e in events if isinstance(e, WindowEnd)]
+    assert [(e.start, e.end, e.plain_rounds) for e in ends] == [(3, 3, 4)]
+    assert policy.asked == 2 and policy.paces == [False, False, False]  # the first commit is not timed

@@ -178,3 +178,39 @@ def test_a_session_beyond_the_latency_budget_is_refused_and_the_others_go_on(ser
         asyncio.run(run())
     finally:
         svc.stop()
+
+
+def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(service_loop, chat_pair):
+    """--latency-budget also reads the clock: while the open sessions see more time per token
+    than the budget allows, a new session is refused at once; with no session open one is
+    always admitted (a stale slow reading never locks the service)."""
+    target = replace(chat_pair[0])
+    target.use_pool(4, 128)
+    servicer = TargetServicer(target, max_batch_size=4, latency_budget=1000.0)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+
+    async def run():
+        async with channel(svc.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            first = await _open(stub)
+            await _verify(first, [])
+            await asyncio.sleep(0.05)
+            await _verify(first, [], 2)  # timed: a real time per token, under any budget here
+            assert 0 < servicer.token_time.value < 1000.0 * servicer.verify_seconds[0]
+            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded
+            extra = await _open(stub)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "over its latency budget" in refused.value.details()
+            await _close(first)
+            await asyncio.sleep(0.2)
+            alone = await _open(stub)  # none open: admitted, whatever the last reading
+            assert (await _verify(alone, [])).num_accepted == 0
+            await _close(alone)
+
+    try:
+        asyncio.run(run())
+    finally:
+        svc.stop()

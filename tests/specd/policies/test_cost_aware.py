@@ -300,3 +300,27 @@ def test_the_measured_pace_is_shared_state():
         p.observe_pace(1, 0.033, drafted=False)
     q = policy(p.costs, p.state())
     assert q.measured_speedup() == pytest.approx(p.measured_speedup())
+
+
+def test_plain_rounds_announce_the_stretch_to_the_next_exploring_round():
+    """While drafting does not pay, a draft service may ask once how many rounds will be plain
+    (so the coordinator need not wait on it each round): up to the next exploring round, the
+    same rounds the policy would have declined one by one."""
+    slow_draft = CostCurve(0.016, [1, 2, 4, 6, 8, 17], [0.033, 0.045, 0.053, 0.053, 0.062, 0.075])
+
+    def gated():
+        p = policy(slow_draft, explore=8)
+        for _ in range(50):
+            p.observe(RoundOutcome(1, 0, (0.5,), False, (), (model_step(1, 0.55),)))
+        return p
+
+    one_by_one = gated()
+    per_round = [one_by_one.should_draft() for _ in range(40)]
+    stretched, decisions = gated(), []
+    while len(decisions) < 40:
+        if stretched.should_draft():
+            decisions.append(True)
+        else:
+            decisions += [False] * stretched.plain_rounds()
+    assert decisions[:40] == per_round
+    assert [i for i, d in enumerate(per_round) if d] == [7, 23]

@@ -152,18 +152,20 @@ class DraftToken(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., position: _Optional[int] = ..., token: _Optional[int] = ..., prob: _Optional[float] = ..., entropy: _Optional[float] = ..., q: _Optional[_Union[_common_pb2.Distribution, _Mapping]] = ...) -> None: ...
 
 class WindowEnd(_message.Message):
-    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold")
+    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold", "plain_rounds")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     start: int
     end: int
     reason: StopReason
     relaxed_threshold: float
-    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ...) -> None: ...
+    plain_rounds: int
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class CommitAck(_message.Message):
     __slots__ = ("commit_id", "epoch")
