@@ -5,6 +5,7 @@ session that ended is not waited for. And the decode cost it follows from plain 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -31,17 +32,29 @@ async def _round(batcher, sessions, late=None, delay=0.05):
     return await asyncio.gather(*(one(s) for s in sessions))
 
 
+@contextlib.asynccontextmanager
+async def _batcher(pooled, gather: float = 0.0, on_batch=None):
+    """A batcher on one compute thread and two sessions with a 3-token prefix each."""
+    executor = ThreadPoolExecutor(1)
+    batcher = StepBatcher(pooled.model, executor, 8, on_batch, gather)
+    a, b = pooled.session(), pooled.session()
+    for s in (a, b):
+        s.extend([3, 4, 5], 1)
+    try:
+        yield batcher, a, b
+    finally:
+        batcher.close()
+        executor.shutdown()
+        a.close()
+        b.close()
+
+
 def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
     """Batch sizes of three rounds of two sessions, the second of which comes back late."""
     sizes: list[int] = []
 
     async def main():
-        executor = ThreadPoolExecutor(1)
-        batcher = StepBatcher(pooled.model, executor, 8, lambda b, tokens, waits: sizes.append(b), gather)
-        a, b = pooled.session(), pooled.session()
-        for s in (a, b):
-            s.extend([3, 4, 5], 1)
-        try:
+        async with _batcher(pooled, gather, lambda b, tokens, waits: sizes.append(b)) as (batcher, a, b):
             await _round(batcher, [a, b])  # together: both are expected back
             batcher.last_forward_s = 1.0  # waiting up to gather x 1 s covers the late session
             if forget_late:  # b's request ended instead: a goes on alone at once
@@ -49,11 +62,6 @@ def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
                 await asyncio.wait_for(_round(batcher, [a]), 5.0)
             else:
                 await _round(batcher, [a, b], late=b)
-        finally:
-            batcher.close()
-            executor.shutdown()
-            a.close()
-            b.close()
 
     asyncio.run(main())
     return sizes
@@ -75,24 +83,13 @@ def test_a_session_that_ended_is_not_waited_for(pooled):
 def test_a_session_whose_step_fails_fails_alone(pooled):
     """One session's verdict raising (bad input found on the compute thread) is that session's
     error; the other session in the same forward gets its answer."""
+    def bad(logits, hidden):
+        raise ValueError("this session's input")
+
     async def main():
-        executor = ThreadPoolExecutor(1)
-        batcher = StepBatcher(pooled.model, executor, 8, gather=0.0)
-        a, b = pooled.session(), pooled.session()
-        for s in (a, b):
-            s.extend([3, 4, 5], 1)
-
-        def bad(logits, hidden):
-            raise ValueError("this session's input")
-
-        try:
+        async with _batcher(pooled) as (batcher, a, b):
             return await asyncio.gather(batcher.submit(a, [7], 1, lambda logits, hidden: "ok"),
                                         batcher.submit(b, [7], 1, bad), return_exceptions=True)
-        finally:
-            batcher.close()
-            executor.shutdown()
-            a.close()
-            b.close()
 
     good, failed = asyncio.run(main())
     assert good[0] == "ok" and good[1].batch_size == 2
@@ -103,12 +100,7 @@ def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
     """One session and one token is a plain decoding step: the first sets the decode cost, the
     next moves it by the shared smoothing rule; a forward of two sessions is not one."""
     async def main():
-        executor = ThreadPoolExecutor(1)
-        batcher = StepBatcher(pooled.model, executor, 8, gather=0.0)
-        a, b = pooled.session(), pooled.session()
-        for s in (a, b):
-            s.extend([3, 4, 5], 1)
-        try:
+        async with _batcher(pooled) as (batcher, a, b):
             costs = []
             (_, first), = await _round(batcher, [a])
             costs.append(batcher.decode_cost.value)
@@ -117,11 +109,6 @@ def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
             (_, shared), _ = await _round(batcher, [a, b])
             costs.append(batcher.decode_cost.value)
             return first, second, shared, costs
-        finally:
-            batcher.close()
-            executor.shutdown()
-            a.close()
-            b.close()
 
     first, second, shared, (seeded, followed, after) = asyncio.run(main())
     assert seeded == first.forward_seconds

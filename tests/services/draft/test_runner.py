@@ -50,6 +50,15 @@ def constant_runner(k: int, executor: ManualExecutor, events: list) -> DraftRunn
                        max_length=64, lookahead=2, send_q=False, executor=executor, publish=events.append)
 
 
+def started(policy: StoppingPolicy, lookahead: int = 2, max_length: int = 64, **kw) -> tuple:
+    """(runner, its published events, its executor, its drafting task) after PROMPT."""
+    events: list = []
+    executor = ManualExecutor()
+    runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=max_length, lookahead=lookahead,
+                         send_q=False, executor=executor, publish=events.append, **kw)
+    return runner, events, executor, asyncio.create_task(runner.run())
+
+
 def aligned(runner: DraftRunner) -> bool:
     """Each window's i-th token sits at position start + i of the runner's sequence."""
     return all(runner.seq[w.start + i] == t for w in runner.windows for i, t in enumerate(w.tokens))
@@ -299,11 +308,7 @@ def test_the_pace_times_each_round_and_says_whether_the_drafter_ran():
     policy = EveryOtherRound()
 
     async def run():
-        events: list = []
-        executor = ManualExecutor()
-        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=1,
-                             send_q=False, executor=executor, publish=events.append)
-        task = asyncio.create_task(runner.run())
+        runner, events, executor, task = started(policy, lookahead=1)
         for commit_id in range(1, 6):
             await settle()
             while executor.pending:
@@ -325,12 +330,8 @@ def test_load_caps_shorten_windows_as_the_target_forward_fills():
     alone, at most 2 while 4 or more sessions share the target's forward, none from 8 on (a plain
     round), and 8 again once the load falls."""
     async def run():
-        events: list = []
-        executor = ManualExecutor()
-        runner = DraftRunner(FakeSession(), build_policy("constant", {"k": 8}, {}), SamplingParams(), PROMPT,
-                             max_length=256, lookahead=1, send_q=False, executor=executor,
-                             publish=events.append, load_caps=((4, 2), (8, 0)))
-        task = asyncio.create_task(runner.run())
+        runner, events, executor, task = started(build_policy("constant", {"k": 8}, {}), lookahead=1, max_length=256,
+                                                 load_caps=((4, 2), (8, 0)))
         windows = []
         for commit_id, others in enumerate([3, 9, 0, 0], 1):  # the load each window then sees
             await settle()
@@ -379,11 +380,7 @@ def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it
     policy = PlainStretches()
 
     async def run():
-        events: list = []
-        executor = ManualExecutor()
-        runner = DraftRunner(FakeSession(), policy, SamplingParams(), PROMPT, max_length=64, lookahead=2,
-                             send_q=False, executor=executor, publish=events.append)
-        task = asyncio.create_task(runner.run())
+        runner, events, executor, task = started(policy)
         await settle()
         for commit_id in range(1, 5):  # the four plain rounds, committed one by one
             assert not executor.pending  # nothing drafted inside the stretch
