@@ -335,4 +335,3 @@ class DraftRunner:
                                   version))
         if records:
             self.log_records(records)
-

@@ -242,7 +242,7 @@ class CostAwarePolicy(StoppingPolicy):
                 and self.pace["plain"][2] < PACE_MIN_WEIGHT and self.since_plain >= self.params.explore)
 
     def observe_pace(self, tokens: int, seconds: float, drafted: bool) -> None:
-        for kind, sums in self.pace.items():
+        for sums in self.pace.values():
             sums[:] = [self.pace_decay * x for x in sums]
         sums = self.pace["drafted" if drafted else "plain"]
         sums[0] += tokens
