@@ -33,6 +33,7 @@ from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
+TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -65,6 +66,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.latency_budget = latency_budget
         self.max_sessions = sessions_within_budget(self.batch_seconds, latency_budget) if latency_budget else None
         self.token_time = MovingAverage()  # seconds between a session's verifications, per token emitted
+        self.token_time_at = 0.0  # when it was last observed
         if self.max_sessions is not None:
             log.info("latency budget %.2fx (%.1f ms a token): at most %d sessions at once", latency_budget,
                      1e3 * latency_budget * self.verify_seconds[0], self.max_sessions)
@@ -140,13 +142,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _admit(self) -> None:
         """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) where the latency
         budget says so: at the surface's cap, or while the open sessions' time per token is over
-        budget times a one-token forward alone."""
+        budget times a one-token forward alone (a reading older than TOKEN_TIME_FRESH_S is not
+        used: sessions that stopped asking, such as streams to slow readers, must not lock the
+        service)."""
         if not self.latency_budget or not self.sessions:
             return
         if len(self.sessions) >= self.max_sessions:
             raise Overloaded(f"serving {len(self.sessions)} sessions, the most within its latency budget")
         budget = self.latency_budget * self.verify_seconds[0]
-        if self.token_time.value > budget:
+        fresh = time.perf_counter() - self.token_time_at < TOKEN_TIME_FRESH_S  # idle sessions report nothing
+        if fresh and self.token_time.value > budget:
             raise Overloaded(f"serving {len(self.sessions)} sessions at {1e3 * self.token_time.value:.0f} ms a "
                              f"token, over its latency budget of {1e3 * budget:.0f} ms")
 
@@ -169,6 +174,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
             self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
+            self.token_time_at = now
         session.last_reply_at = now
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
             top_logprobs=top_logprobs_to_proto(top), features=feats,

@@ -5,6 +5,7 @@ RESOURCE_EXHAUSTED (and none of the open ones is disturbed), and closing frees t
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import grpc
@@ -182,8 +183,8 @@ def test_a_session_beyond_the_latency_budget_is_refused_and_the_others_go_on(ser
 
 def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(service_loop, chat_pair):
     """--latency-budget also reads the clock: while the open sessions see more time per token
-    than the budget allows, a new session is refused at once; with no session open one is
-    always admitted (a stale slow reading never locks the service)."""
+    than the budget allows, a new session is refused at once; a reading too old to go by, or no
+    session open, admits one (a stale slow reading never locks the service)."""
     target = replace(chat_pair[0])
     target.use_pool(4, 128)
     servicer = TargetServicer(target, max_batch_size=4, latency_budget=1000.0)
@@ -198,7 +199,13 @@ def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(
             await asyncio.sleep(0.05)
             await _verify(first, [], 2)  # timed: a real time per token, under any budget here
             assert 0 < servicer.token_time.value < 1000.0 * servicer.verify_seconds[0]
-            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded
+            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded ...
+            servicer.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
+            stale = await _open(stub)
+            assert (await _verify(stale, [])).num_accepted == 0  # admitted
+            await _close(stale)
+            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # overloaded now
+            servicer.token_time_at = time.perf_counter()
             extra = await _open(stub)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await extra.read()
