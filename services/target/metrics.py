@@ -47,8 +47,9 @@ class TargetMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, sessions: Callable[[], int] = lambda: 0,
                  kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0,
                  kv_slots: Callable[[], tuple[int, int]] = lambda: (0, 0),
-                 queue_depth: Callable[[], int] = lambda: 0):
-        """kv_slots: (slots in use, slots) of the KV pool."""
+                 queue_depth: Callable[[], int] = lambda: 0, token_seconds: Callable[[], float] = lambda: 0.0):
+        """kv_slots: (slots in use, slots) of the KV pool; token_seconds: the time per token the open
+        sessions see (what a latency budget reads)."""
         self.registry, self.model = registry, model
         active_sessions(registry, "target", sessions)
         kv_cache_bytes(registry, "target", kv_bytes)
@@ -76,8 +77,11 @@ class TargetMetrics:
         self.prefill_chunks = Counter("specd_target_prefill_chunks", "prompt chunks prefilled", ["model"],
                                       registry=registry)
         self.prefill_chunks.labels(model)
-        self.refused = Counter("specd_target_refused_sessions", "sessions refused: every KV slot taken",
-                               ["model"], registry=registry)
+        per_token = Gauge("specd_target_token_seconds", "seconds between a session's verifications per token "
+                          "emitted, moving average (what --latency-budget reads)", ["model"], registry=registry)
+        per_token.labels(model).set_function(token_seconds)
+        self.refused = Counter("specd_target_refused_sessions", "sessions refused at once: every KV slot taken, "
+                               "or over the latency budget", ["model"], registry=registry)
         self.refused.labels(model)  # a zero series from the start
 
     def observe_verify(self, num_drafts: int, forward_seconds: float) -> None:

@@ -52,7 +52,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
                                      lambda: self.batcher.decode_cost.value, self._kv_slots,
-                                     lambda: len(self.batcher.queue))
+                                     lambda: len(self.batcher.queue), lambda: self.token_time.value)
         self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up

@@ -183,6 +183,7 @@ def test_target_and_draft_series_count_the_work(served):
     assert total(t_reg, "specd_verify_seconds_count") - before["verify"] > verifications
     assert total(t_reg, "specd_verify_seconds_count", window="0") > 0  # target-only steps
     assert total(t_reg, "specd_target_decode_seconds_per_token") > 0
+    assert total(t_reg, "specd_target_token_seconds") > 0  # the time per token the sessions saw
     assert total(t_reg, "specd_verify_last_batch_size") >= 1
     drafted = total(d_reg, "specd_draft_tokens_total") - before["draft_tokens"]
     assert drafted >= sum(s["drafted"] for s in ok)  # the cancelled request drafted too
