@@ -42,8 +42,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                  prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None,
                  latency_budget: float = 0.0):
         """executor: the compute thread (services.common.compute), one model, one thread.
-        latency_budget: admit only as many sessions as keep a forward within this multiple of a
-        one-session forward (0: no such cap; the KV pool's slots still limit them)."""
+        latency_budget: refuse new sessions while the open ones see more than this many one-token
+        forwards per token, or beyond the sessions the cost surface allows within it (0: neither;
+        the KV pool's slots still limit sessions)."""
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.executor = executor or compute_thread("target")
