@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from services.common.convert import (
     distribution_to_proto,
     features_from_proto,
@@ -10,7 +12,9 @@ from services.common.convert import (
 )
 from services.draft.runner import Ack, Commit, Token, WindowEnd
 from services.proto.specd.draft.v1 import draft_pb2
+from specd.costs import CostCurve
 from specd.errors import InvalidRequest
+from specd.policies import NO_SPECULATION, check_spec
 from specd.types import SamplingParams, SpecParams
 
 REASONS = {
@@ -21,10 +25,47 @@ REASONS = {
 }
 
 
-def open_from_proto(msg: draft_pb2.OpenDraft) -> tuple[list[int], SamplingParams, SpecParams, dict]:
+@dataclass(frozen=True)
+class DraftOpen:
+    """A checked OpenDraft: what a drafting session needs to start."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    state: dict
+    max_length: int
+    lookahead: int  # 1: sequential, 2: PEARL
+    send_distributions: bool
+    vocab_size: int | None  # the target's, when the coordinator says
+
+
+def open_from_proto(msg: draft_pb2.OpenDraft) -> DraftOpen:
+    """The Open message as a DraftOpen; InvalidRequest naming the field it cannot take."""
     spec = SpecParams(msg.policy, msg.max_draft_tokens if msg.HasField("max_draft_tokens") else None,
                       dict(msg.policy_params))
-    return list(msg.prompt_ids), sampling_from_proto(msg.sampling), spec, dict(msg.policy_state)
+    sampling = sampling_from_proto(msg.sampling)
+    sampling.validate()
+    if not msg.prompt_ids:
+        raise InvalidRequest("prompt", "must not be empty")
+    if spec.policy == NO_SPECULATION:
+        raise InvalidRequest("policy", "a draft session needs a stopping policy; 'none' is the target alone")
+    check_spec(spec, sampling)
+    if msg.lookahead not in (1, 2):
+        raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
+    return DraftOpen(list(msg.prompt_ids), sampling, spec, dict(msg.policy_state), msg.max_length, msg.lookahead,
+                     msg.send_distributions, msg.vocab_size or None)
+
+
+def costs_from_proto(msg: draft_pb2.OpenDraft, t_draft: float) -> CostCurve:
+    """A session's cost curve: the target's, as the coordinator sent it, with the draft's t_draft."""
+    if not msg.verify_seconds:
+        raise InvalidRequest("verify_seconds", "the cost-aware policy needs the target's cost curve; "
+                                               "the coordinator sent none (is the target service older?)")
+    ts = list(msg.verify_seconds)
+    if len(msg.batch_token_seconds) != len(msg.batch_seconds):
+        raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
+    return CostCurve(t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
+                     batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
 
 
 def commit_from_proto(msg: draft_pb2.Commit) -> Commit:

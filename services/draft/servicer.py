@@ -16,18 +16,18 @@ from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
 from services.common.replay import RedisDVI
 from services.common.state import REDIS_ERRORS
-from services.draft.convert import commit_from_proto, event_to_proto, open_from_proto
+from services.draft.convert import commit_from_proto, costs_from_proto, event_to_proto, open_from_proto
 from services.draft.learning import OnlineLearning
 from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
-from specd.costs import CostCurve, MovingAverage, measure_t_draft, synthetic_prefix
+from specd.costs import MovingAverage, measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
-from specd.policies import NO_SPECULATION, POLICIES, PolicyResources, check_spec, request_policy
+from specd.policies import POLICIES, PolicyResources, request_policy
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -124,33 +124,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.runners.discard(runner)
 
     def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:
-        prompt, sampling, spec, state = open_from_proto(msg)
-        sampling.validate()
-        if not prompt:
-            raise InvalidRequest("prompt", "must not be empty")
-        if spec.policy == NO_SPECULATION:
-            raise InvalidRequest("policy", "a draft session needs a stopping policy; 'none' is the target alone")
-        check_spec(spec, sampling)
-        if msg.lookahead not in (1, 2):
-            raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
-        policy = request_policy(spec, state, PolicyResources(None, self.specdecpp_head), lambda: self._costs(msg))
-        send_q = msg.send_distributions and self.drafter.has_distribution
+        o = open_from_proto(msg)
+        policy = request_policy(o.spec, o.state, PolicyResources(None, self.specdecpp_head),
+                                lambda: costs_from_proto(msg, self.t_draft.value))  # asked by cost-aware only
         learning = self.learning
-        return DraftRunner(self.drafter.open(msg.vocab_size or None), policy, sampling, prompt, msg.max_length,
-                           msg.lookahead, send_q, self.executor, publish, self._on_step,
-                           learning.log if learning is not None else None,
+        return DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length, o.lookahead,
+                           o.send_distributions and self.drafter.has_distribution, self.executor, publish,
+                           self._on_step, learning.log if learning is not None else None,
                            lambda: self.drafter.lora_version, self.batcher, self.load_caps)
-
-    def _costs(self, msg: draft_pb2.OpenDraft) -> CostCurve:
-        """This session's cost curve: the target's (from the coordinator) and this service's t_draft."""
-        if not msg.verify_seconds:
-            raise InvalidRequest("verify_seconds", "the cost-aware policy needs the target's cost curve; "
-                                                   "the coordinator sent none (is the target service older?)")
-        ts = list(msg.verify_seconds)
-        if len(msg.batch_token_seconds) != len(msg.batch_seconds):
-            raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
-        return CostCurve(self.t_draft.value, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
-                         batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
 
     def _on_batch(self, sessions: int, tokens: int, waits: list[float]) -> None:
         self.metrics.batch_size.observe(sessions)
