@@ -97,6 +97,8 @@ class Result:
     text: str = ""
     chunk_gaps: list[float] = field(default_factory=list)
     fallback: bool = False
+    drafted: int = 0  # spec_stats: draft tokens verified, and those accepted
+    accepted: int = 0
     long: bool = False  # the --long-prompt-tokens request
     prompt_tokens: int = 0
 
@@ -151,6 +153,8 @@ async def one_request(client, url: str, body: dict, result: Result, t0: float) -
                     result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                 stats = chunk.get("spec_stats") or {}
                 result.fallback = result.fallback or bool(stats.get("fallback"))
+                if stats:
+                    result.drafted, result.accepted = int(stats.get("drafted", 0)), int(stats.get("accepted", 0))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"[:300]
     result.e2e = time.perf_counter() - sent

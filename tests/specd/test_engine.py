@@ -320,7 +320,9 @@ def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_reques
     assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[1], 48)
     lengths = out.stats.draft_lengths  # of the rounds that drafted; the others were plain steps
     assert lengths[0] >= 3  # the prior trusted q(x) = 1 at first
-    assert len(lengths) <= most_windows and max(lengths[2:], default=0) <= (16 if t_draft == 0 else 1)
+    assert len(lengths) <= most_windows
+    if t_draft:  # a costly drafter's later windows hold one token at most
+        assert max(lengths[2:], default=0) <= 1
 
 # The test curves are frozen (smoothing 0: the rounds' timings do not move them). A curve that
 # followed the tiny models' real timings would make the policies' choices depend on the machine's
