@@ -73,8 +73,9 @@ def build_request(prompt: str | None = None, messages: Sequence[dict] | None = N
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   stop: Sequence[str] = (), policy: str = "", policy_params: dict | None = None,
                   max_draft_tokens: int | None = None, task_tag: str = "default", relaxed: bool = False,
-                  overlap: bool | None = None) -> coordinator_pb2.GenerateRequest:
-    """The GenerateRequest message (policy "": the server's default; overlap None: its setting).
+                  overlap: bool | None = None, branches: int | None = None) -> coordinator_pb2.GenerateRequest:
+    """The GenerateRequest message (policy "": the server's default; overlap and branches None:
+    the servers' settings).
     Values are checked by the server, which names the bad field."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("prompt_ids", prompt_ids))
              if v is not None]
@@ -82,7 +83,7 @@ def build_request(prompt: str | None = None, messages: Sequence[dict] | None = N
         raise InvalidRequest("input", "give exactly one of prompt, messages or prompt_ids "
                                       f"(got {', '.join(given) or 'none'})")
     sampling = SamplingParams(temperature, top_k, top_p, seed, max_new_tokens, tuple(stop))
-    spec = SpecParams(policy, max_draft_tokens, dict(policy_params or {}), task_tag, relaxed)
+    spec = SpecParams(policy, max_draft_tokens, dict(policy_params or {}), task_tag, relaxed, branches)
     return request_to_proto(GenerateRequest(
         prompt=prompt, messages=tuple(dict(m) for m in messages) if messages is not None else None,
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,

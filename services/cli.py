@@ -50,8 +50,11 @@ def add_commands(sub) -> None:
         p.set_defaults(func=cmd_serve)
     up = sub.add_parser("up", help="start draft, target, coordinator and gateway on this machine")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0 = any free port)")
-    up.add_argument("--drafter", help="retrieval | ngram | early-exit | hf (default: retrieval where specd "
-                                      "ships a datastore for the target, the embedded one, else ngram)")
+    up.add_argument("--drafter", help="retrieval | ngram | early-exit | hybrid | hf (default: retrieval where "
+                                      "specd ships a datastore for the target, the embedded one, else ngram)")
+    up.add_argument("--branches", type=int, help="side branches verified beside each drafted chain as a draft "
+                                                 "tree (ngram, retrieval, hybrid; default: the drafter's, "
+                                                 "hybrid 2, the others 0)")
     up.add_argument("--draft-model", help="transformers directory for --drafter hf")
     up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
     up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
@@ -141,6 +144,8 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     draft_flags = ["--drafter", drafter, "--target-model", args.target_model]
     if args.draft_model:
         draft_flags += ["--draft-model", args.draft_model]
+    if args.branches is not None:
+        draft_flags += ["--branches", str(args.branches)]
     if drafter not in MODEL_FREE:  # two models on one CPU: split the cores
         draft_flags += ["--threads", str(max(1, cpus // 4))]
     redis = ["--redis-url", args.redis_url] if args.redis_url else []

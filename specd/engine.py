@@ -37,10 +37,10 @@ from specd.policies import (
     request_policy,
 )
 from specd.round import commit_tokens
-from specd.sampling import logits_to_probs, race_scores, request_generator
+from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
-from specd.tree import DraftTree, choose_branches, verify_tree_greedy, verify_tree_sampling
+from specd.tree import TREE_MAX_FED, DraftTree, TreePlanner, tree_shape, verify_tree
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
 from specd.verify import Verdict, verify_window
 
@@ -52,16 +52,6 @@ class Generation:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
 
-
-MAX_BRANCHES = 16
-TREE_BRANCHES = 3  # what `specd bench --trees` runs
-TREE_MAX_FED = 64  # committed tokens fed with a tree (a longer prefill verifies a chain)
-MAX_TREE_NODES = 32  # chain and side branches together
-# Tokens one side node of a draft tree adds to a round, before a run has measured its own (a
-# teacher-forced replay on MT-bench greedy answers gave 0.03-0.05, docs/engine.md), and the
-# weight of each tree round in the run's moving average.
-TREE_GAIN_PRIOR = 0.05
-TREE_GAIN_SMOOTHING = 0.1
 
 
 class SpeculativeEngine:
@@ -136,8 +126,8 @@ class GenerationRun:
         self.target_kv = target.session()
         self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
-        self.branches, self.branch_length = self._tree_shape()
-        self.tree_gain = TREE_GAIN_PRIOR
+        shape = tree_shape(spec.branches, self.drafter, spec.policy, spec.relaxed)
+        self.trees = TreePlanner(*shape) if shape[0] else None  # draft trees (specd.tree)
         self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
         # Stop strings, found incrementally in the text of each round's new tokens.
@@ -159,23 +149,6 @@ class GenerationRun:
         resources = PolicyResources(tuple(reference) if reference is not None else None, engine.specdecpp_head)
         state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
         return request_policy(spec, state, resources, lambda: engine.costs), engine.drafter
-
-    def _tree_shape(self) -> tuple[int, int]:
-        """(side branches per round, new nodes per branch); (0, 0) verifies chains only."""
-        spec, drafter = self.spec, self.drafter
-        if spec.branches is not None and not 0 <= spec.branches <= MAX_BRANCHES:
-            raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {spec.branches}")
-        if drafter is None:
-            return 0, 0
-        branches = drafter.branches if spec.branches is None else spec.branches
-        if branches and not drafter.branch_length:
-            raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
-                                             "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
-        # The oracle's chain is right by construction; relaxed verification and the target's
-        # features are defined for chains.
-        if spec.policy == "oracle" or spec.relaxed or self.feed_features:
-            return 0, 0
-        return branches, drafter.branch_length
 
     # -- the loop ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
@@ -200,7 +173,7 @@ class GenerationRun:
         drafts, qs, steps, dropped, hit_cap = self._draft(committed)
         k = len(drafts)
         # Not with a long prefill: a long prompt's forward keeps its plain causal mask.
-        if self.branches and self.draft_session is not None and committed - self.target_kv.length <= TREE_MAX_FED:
+        if self.trees is not None and committed - self.target_kv.length <= TREE_MAX_FED:
             t0 = time.perf_counter()
             tree = self._tree(committed, drafts)
             stats.draft_time_s += time.perf_counter() - t0  # the alternatives' lookups are drafting
@@ -244,37 +217,11 @@ class GenerationRun:
 
     # -- draft trees (specd.tree) -----------------------------------------------------------
     def _tree(self, committed: int, drafts: list[int]) -> DraftTree:
-        """The policy's chain plus the drafter's alternatives, grown breadth-first (every
-        branch's first token, then every second one, ...) up to the size `_tree_budget`
-        finds worth its cost. Branches are cut to what max_new_tokens leaves room for."""
-        tree = DraftTree.from_chain(drafts)
-        budget = self._tree_budget(len(drafts))
-        if not budget:
-            return tree
-        room = self.max_len - committed - 1  # a path of n nodes emits n + 1 tokens
-        chosen = choose_branches(self.draft_session.branches(self.seq[:committed], drafts, self.branch_length,
-                                                             self.sampling),
-                                 drafts, min(room, self.branch_length), self.branches)
-        for depth in range(1, self.branch_length + 1):
-            for branch in chosen:
-                if budget and len(branch) >= depth:
-                    budget -= tree.add(branch[:depth], budget)
-        return tree
-
-    def _tree_budget(self, k: int) -> int:
-        """Side nodes to add to a k-token chain: the count s that maximises the expected rate
-        (m + g * s) / t(k + 1 + s), with m this run's mean tokens per round, g the tokens a
-        side node has added so far (learnt from this run's tree rounds) and t the target's
-        monotone cost curve. Where the curve is flat (a CPU up to about 7 tokens, a GPU much
-        further) every node is worth adding; where it is steep only a high g pays."""
+        """The policy's chain plus the drafter's alternatives (TreePlanner.grow), priced on this
+        run's cost curve."""
         costs = self.costs if self.costs is not None else self.engine.costs
-        m = self.stats.mean_accepted_tokens or 1.0
-        best, best_rate = 0, m / costs.t_monotone(k + 1)
-        for s in range(1, MAX_TREE_NODES - k + 1):
-            rate = (m + self.tree_gain * s) / costs.t_monotone(k + 1 + s)
-            if rate > best_rate:
-                best, best_rate = s, rate
-        return best
+        return self.trees.grow(self.draft_session, self.seq[:committed], drafts, self.max_len - committed - 1,
+                               self.sampling, self.stats.mean_accepted_tokens, costs.t_monotone)
 
     def _tree_round(self, committed: int, tree: DraftTree, qs: list, steps: list[DraftStep],
                     dropped: DraftStep | None, hit_cap: bool) -> list[int]:
@@ -284,16 +231,8 @@ class GenerationRun:
         t0 = time.perf_counter()
         start = self.target_kv.length
         logits = self.target_kv.extend_tree(seq[start:], tree, self.target_dtype)
-        sampling = self.sampling
-        if sampling.greedy:
-            verdict = verify_tree_greedy(logits, tree)
-        elif sampling.coupled:  # the target's seeded draws at each row's position
-            p = logits_to_probs(logits, sampling)
-            verdict = verify_tree_greedy(race_scores(p, sampling.seed, [committed + o for o in tree.row_offsets()]),
-                                         tree)
-        else:
-            chain_q = qs if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
-            verdict = verify_tree_sampling(logits_to_probs(logits, sampling), tree, self.generator, chain_q)
+        chain_q = qs if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
+        verdict = verify_tree(logits, tree, self.sampling, self.generator, committed, chain_q)
         path = verdict.path
         n, n_main = len(path), tree.main_prefix(verdict.path)
         self.target_kv.keep_path(committed, path)
@@ -302,8 +241,7 @@ class GenerationRun:
         stats.verify_time_s += verify_s
         if self.costs is not None and start == committed - 1:  # not the prefill round
             self.costs.observe_target(len(tree) + 1, verify_s)
-        side = len(tree) - k
-        self.tree_gain += TREE_GAIN_SMOOTHING * ((n - n_main) / side - self.tree_gain)
+        self.trees.observe(len(tree) - k, n, n_main)
         stats.record_round(len(tree), n, n_main, 0, [s.entropy for s in steps])
         stats.tree_rounds += 1
         stats.branch_accepted += n > n_main

@@ -34,7 +34,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.sampling import sample
+from specd.errors import InvalidRequest
+from specd.sampling import logits_to_probs, race_scores, sample
+from specd.types import MAX_BRANCHES, SamplingParams
+
+TREE_BRANCHES = 3  # what `specd bench --trees` runs
+TREE_MAX_FED = 64  # committed tokens fed with a tree (a longer prefill verifies a chain)
+MAX_TREE_NODES = 32  # chain and side branches together
+# Tokens one side node of a draft tree adds to a round, before a run has measured its own (a
+# teacher-forced replay on MT-bench greedy answers, docs/engine.md), and the weight of each tree
+# round in the run's moving average.
+TREE_GAIN_PRIOR = 0.05
+TREE_GAIN_SMOOTHING = 0.1
 
 
 @dataclass
@@ -52,6 +63,42 @@ class DraftTree:
         tree.main = len(tree.tokens)
         return tree
 
+    @classmethod
+    def from_nodes(cls, chain: Sequence[int], side_tokens: Sequence[int], side_parents: Sequence[int],
+                   vocab_size: int) -> DraftTree:
+        """A tree sent over the wire: the chain, then side node i (node len(chain) + i) holding
+        side_tokens[i] under node side_parents[i] (-1: the root; an earlier node otherwise).
+        InvalidRequest naming the field for a malformed one (a repeated sibling, a parent that
+        does not come first, a token outside the vocabulary, too many nodes)."""
+        if len(side_parents) != len(side_tokens):
+            raise InvalidRequest("side_parents", f"expected {len(side_tokens)} parents, got {len(side_parents)}")
+        if len(chain) + len(side_tokens) > MAX_TREE_NODES:
+            raise InvalidRequest("side_tokens", f"a tree holds at most {MAX_TREE_NODES} nodes, "
+                                                f"got {len(chain) + len(side_tokens)}")
+        if side_tokens and not all(0 <= t < vocab_size for t in side_tokens):
+            raise InvalidRequest("side_tokens", f"token ids must be in [0, {vocab_size})")
+        tree = cls.from_chain(list(chain))
+        for token, parent in zip(side_tokens, side_parents):
+            if not -1 <= parent < len(tree):
+                raise InvalidRequest("side_parents", f"node {len(tree)}'s parent {parent} is not an earlier node")
+            if token in tree.children.get(parent, {}):
+                raise InvalidRequest("side_tokens", f"node {len(tree)} repeats a sibling's token {token}")
+            tree.attach(parent, token)
+        return tree
+
+    def attach(self, parent: int, token: int) -> int:
+        """Add one node under `parent` (-1: the root); returns its index."""
+        child = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
+        self.children.setdefault(parent, {})[token] = child
+        return child
+
+    def side(self) -> tuple[list[int], list[int]]:
+        """The side nodes' (tokens, parents): what from_nodes takes back beside the chain."""
+        return self.tokens[self.main:], self.parents[self.main:]
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -65,11 +112,7 @@ class DraftTree:
             if child is None:
                 if added >= budget:
                     break
-                child = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.depths.append(self.depths[node] + 1 if node >= 0 else 0)
-                kids[token] = child
+                child = self.attach(node, token)
                 added += 1
             node = child
         return added
@@ -189,3 +232,81 @@ def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Gene
             return TreeVerdict(path, int(sample(residual / total, generator)))
         path.append(accepted)
         node = accepted
+
+
+def verify_tree(logits: torch.Tensor, tree: DraftTree, sampling: SamplingParams, generator: torch.Generator | None,
+                committed: int, chain_q: list[torch.Tensor] | None = None) -> TreeVerdict:
+    """A tree forward's logits [len(tree) + 1, V] -> the verdict, by the request's rule: greedy
+    walks the argmax, seeded sampling the race scores at each row's position (specd.sampling),
+    unseeded sampling asks the children one at a time (verify_tree_sampling; chain_q: the
+    chain's draft distributions, None for point masses). committed: the root's position + 1."""
+    if sampling.greedy:
+        return verify_tree_greedy(logits, tree)
+    p = logits_to_probs(logits, sampling)
+    if sampling.coupled:
+        return verify_tree_greedy(race_scores(p, sampling.seed, [committed + o for o in tree.row_offsets()]), tree)
+    return verify_tree_sampling(p, tree, generator, chain_q)
+
+
+def tree_shape(requested: int | None, drafter, policy: str, relaxed: bool) -> tuple[int, int]:
+    """(side branches per round, new nodes per branch) for a request: `requested` side branches
+    (None: the drafter's default); (0, 0) verifies chains only. InvalidRequest for branches a
+    drafter cannot propose. The oracle's chain is right by construction; relaxed verification
+    and the target's features (a feature drafter) are defined for chains."""
+    if requested is not None and not 0 <= requested <= MAX_BRANCHES:
+        raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {requested}")
+    if drafter is None:
+        return 0, 0
+    branches = drafter.branches if requested is None else requested
+    if branches and not drafter.branch_length:
+        raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
+                                         "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
+    if policy == "oracle" or relaxed or drafter.needs_target_features:
+        return 0, 0
+    return branches, drafter.branch_length
+
+
+class TreePlanner:
+    """Grows one request's draft trees: the policy's chain plus the drafter's alternatives, as
+    many side nodes as pay for themselves (`budget`), and learns what a side node adds from the
+    request's own tree rounds (`observe`). Used alike by the engine and the draft service."""
+
+    def __init__(self, branches: int, length: int):
+        self.branches, self.length = branches, length
+        self.gain = TREE_GAIN_PRIOR  # tokens one side node has added per round so far
+
+    def grow(self, session, seq: list[int], chain: list[int], room: int, sampling: SamplingParams,
+             mean_tokens: float, t_target) -> DraftTree:
+        """The tree over `chain` (drafted after `seq`), grown breadth-first (every branch's first
+        token, then every second one, ...) up to the budget; room: nodes a path may hold (a path
+        of n nodes emits n + 1 tokens, and max_new_tokens bounds them)."""
+        tree = DraftTree.from_chain(chain)
+        budget = self.budget(len(chain), mean_tokens, t_target)
+        if not budget or room <= 0:
+            return tree
+        chosen = choose_branches(session.branches(seq, chain, self.length, sampling), chain,
+                                 min(room, self.length), self.branches)
+        for depth in range(1, self.length + 1):
+            for branch in chosen:
+                if budget and len(branch) >= depth:
+                    budget -= tree.add(branch[:depth], budget)
+        return tree
+
+    def budget(self, k: int, mean_tokens: float, t_target) -> int:
+        """Side nodes to add to a k-token chain: the count s that maximises the expected rate
+        (m + g * s) / t(k + 1 + s), with m the request's mean tokens per round, g what a side node
+        has added so far and t the target's monotone cost curve (t_target). Where the curve is
+        flat (a CPU up to a few tokens, a GPU much further) every node is worth adding; where it
+        is steep only a high g pays."""
+        m = mean_tokens or 1.0
+        best, best_rate = 0, m / t_target(k + 1)
+        for s in range(1, MAX_TREE_NODES - k + 1):
+            rate = (m + self.gain * s) / t_target(k + 1 + s)
+            if rate > best_rate:
+                best, best_rate = s, rate
+        return best
+
+    def observe(self, side: int, accepted: int, on_chain: int) -> None:
+        """A tree round with `side` side nodes kept `accepted` drafts, `on_chain` of them the chain's."""
+        if side:
+            self.gain += TREE_GAIN_SMOOTHING * ((accepted - on_chain) / side - self.gain)

@@ -31,6 +31,7 @@ MAX_POLICY_PARAMS = 32
 MAX_NAME_CHARS = 64  # a policy's name, a policy parameter's name
 TASK_TAG = re.compile(r"[A-Za-z0-9_.:/@-]{1,64}")
 MAX_DRAFT_TOKENS = 256
+MAX_BRANCHES = 16  # side branches of a draft tree (specd.tree)
 
 
 def check_text(field_name: str, text: str) -> None:
@@ -122,8 +123,8 @@ class SpecParams:
                 raise InvalidRequest("policy_params", f"parameter names have 1 to {MAX_NAME_CHARS} characters")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise InvalidRequest(f"policy_params.{name}", f"must be a finite number, got {value!r}")
-        if self.branches is not None and not 0 <= self.branches <= MAX_DRAFT_TOKENS:
-            raise InvalidRequest("branches", f"must be in [0, {MAX_DRAFT_TOKENS}], got {self.branches}")
+        if self.branches is not None and not 0 <= self.branches <= MAX_BRANCHES:
+            raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {self.branches}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
+from specd.tree import DraftTree
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Job:
     future: asyncio.Future = field(default=None)
     want_hidden: bool = False
     queued_at: float = 0.0
+    tree: DraftTree | None = None  # ids end with this draft tree's nodes (specd.tree)
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,25 @@ class BatchInfo:
 
 
 def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]], num_logits: list[int],
-                    want_hidden: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """One forward over every session: in place over the KV pool, else over a padded copy."""
+                    want_hidden: list[bool],
+                    trees: list[DraftTree | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One forward over every session: in place over the KV pool, else over a padded copy (where
+    a session's draft tree runs in a forward of its own)."""
     if all(isinstance(s, PoolSession) for s in sessions):
-        return pooled_extend(sessions, ids, num_logits, want_hidden)
-    return batched_extend_hidden(model, sessions, ids, num_logits, want_hidden)
+        return pooled_extend(sessions, ids, num_logits, want_hidden, trees)
+    trees = trees or [None] * len(sessions)
+    out: list = [None] * len(sessions)
+    for i, tree in enumerate(trees):
+        if tree is not None:
+            pending = ids[i][:len(ids[i]) - len(tree)]
+            out[i] = sessions[i].extend_tree(pending, tree, next(model.parameters()).dtype), None
+    chains = [i for i, tree in enumerate(trees) if tree is None]
+    if chains:
+        done = batched_extend_hidden(model, [sessions[i] for i in chains], [ids[i] for i in chains],
+                                     [num_logits[i] for i in chains], [want_hidden[i] for i in chains])
+        for i, r in zip(chains, done):
+            out[i] = r
+    return out
 
 
 def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[list[float], list[float]]:
@@ -111,13 +127,14 @@ class StepBatcher:
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
                      then: Callable[[torch.Tensor, torch.Tensor | None], object],
-                     want_hidden: bool = False) -> tuple[object, BatchInfo]:
+                     want_hidden: bool = False, tree: DraftTree | None = None) -> tuple[object, BatchInfo]:
         """Extend session by ids in the next forward; returns then(logits, hidden) and the
-        batch's info (hidden: the last hidden states of the same positions, if wanted)."""
+        batch's info (hidden: the last hidden states of the same positions, if wanted). With a
+        draft tree, ids end with its nodes and num_logits is len(tree) + 1."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
         job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden,
-                  time.perf_counter())
+                  time.perf_counter(), tree)
         self.returning.discard(session)
         self.queue.append(job)
         self.arrived.set()
@@ -177,7 +194,7 @@ class StepBatcher:
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
         out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
-                              [j.num_logits for j in jobs], [j.want_hidden for j in jobs])
+                              [j.num_logits for j in jobs], [j.want_hidden for j in jobs], [j.tree for j in jobs])
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)

@@ -84,10 +84,15 @@ class DraftSettings(ModelSettings, EarlyExitFields):
 
     port: int = Field(50061, ge=0, le=65535)
     metrics_port: int = Field(9101, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
-    drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram|retrieval|feature)$",
+    drafter: str = Field("ngram", pattern="^(hf|early-exit|ngram|retrieval|feature|hybrid)$",
                          description="ngram (no model), retrieval (ngram plus a datastore of target answers), "
-                                     "early-exit (the target's first layers), hf, or feature (an EAGLE-style "
-                                     "head on the target's hidden states; draft_adapter: the head)")
+                                     "early-exit (the target's first layers), hf, feature (an EAGLE-style "
+                                     "head on the target's hidden states; draft_adapter: the head), or hybrid "
+                                     "(early-exit's chain with retrieval's proposals beside it as a draft tree)")
+    branches: int | None = Field(None, ge=0, le=16,
+                                 description="side branches verified beside each window's chain as a draft tree "
+                                             "(ngram, retrieval, hybrid); a request's own value wins; default: the "
+                                             "drafter's (hybrid 2, the others 0: chains)")
     datastore: Path | None = Field(None, description="retrieval's datastore (default: the one bundled for "
                                                      "the embedded target)")
     draft_model: str | None = Field(None, description="transformers directory for --drafter hf")

@@ -11,7 +11,7 @@ from specd.types import SpecParams
 _STAT_FIELDS = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens",
                 "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "fallback_kind",
                 "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s",
-                "relaxed_accepted", "discarded")
+                "relaxed_accepted", "discarded", "tree_rounds", "branch_accepted")
 
 
 def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> GenerateRequest:
@@ -21,7 +21,8 @@ def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> Generate
     sp = msg.speculative
     spec = SpecParams(sp.policy or default_policy,
                       sp.max_draft_tokens if sp.HasField("max_draft_tokens") else None,
-                      dict(sp.params), sp.task_tag or "default", sp.relaxed)
+                      dict(sp.params), sp.task_tag or "default", sp.relaxed,
+                      sp.branches if sp.HasField("branches") else None)
     return GenerateRequest(
         prompt=msg.prompt if kind == "prompt" else None,
         messages=tuple({"role": m.role, "content": m.content} for m in msg.messages.messages)
@@ -38,6 +39,8 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         sp.max_draft_tokens = s.max_draft_tokens
     if r.overlap is not None:
         sp.overlap = r.overlap
+    if s.branches is not None:
+        sp.branches = s.branches
     msg = pb.GenerateRequest(sampling=sampling_to_proto(r.sampling), max_new_tokens=r.sampling.max_new_tokens,
                              stop=list(r.sampling.stop), speculative=sp)
     if r.prompt_ids is not None:

@@ -242,7 +242,9 @@ class Coordinator:
         send_q = draft.has_distribution and (not cfg.sampling.greedy or cfg.spec.relaxed)
         # A lookup drafter has no drafting time for PEARL to hide, and its pre-verification of a
         # window's first token alone costs a target forward: sequential, unless the request asks.
-        overlap = cfg.overlap and (asked is not None or draft.kind not in MODEL_FREE_KINDS)
+        # So are draft trees, which grow from whole windows (PEARL sends windows in parts).
+        trees = cfg.spec.branches if cfg.spec.branches is not None else draft.branches
+        overlap = cfg.overlap and (asked is not None or (draft.kind not in MODEL_FREE_KINDS and not trees))
         return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
                                    drafter=draft.name,
                                    verify_seconds=self._scaled(self.verify_seconds),

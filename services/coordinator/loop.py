@@ -128,6 +128,7 @@ class RequestLoop:
         self.policy_state: dict | None = None  # returned by the draft service on close
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
+        self.side: tuple[list[int], list[int]] = ([], [])  # the outstanding verification's tree side nodes
         self.sent_at = 0.0  # when the outstanding verification was sent
         self.overhead_s, self.overhead_n = 0.0, 0  # round trip beyond the forward, summed
         self.started = 0.0
@@ -142,6 +143,7 @@ class RequestLoop:
             if chunk is None:
                 chunk = self._next_chunk()
                 if chunk is not None:
+                    self.side = self._tree_side(len(self.seq), len(chunk))
                     await self._send_verify(chunk)
             t0 = time.perf_counter()
             source, msg = await self._next_event(waiting_on_target=chunk is not None)
@@ -208,6 +210,8 @@ class RequestLoop:
             batch_token_seconds=cfg.batch_token_seconds)
         if spec.max_draft_tokens is not None:
             open_msg.max_draft_tokens = spec.max_draft_tokens
+        if spec.branches is not None:
+            open_msg.branches = spec.branches
         self.draft_call = self.draft_stub.Session(timeout=cfg.timeout_s)
         self.tasks.append(asyncio.create_task(self._pump("draft", self.draft_call)))
         await self._write_draft(draft_pb2.DraftRequest(open=open_msg))
@@ -336,6 +340,14 @@ class RequestLoop:
             return chunk
         return None
 
+    def _tree_side(self, start: int, k: int) -> tuple[list[int], list[int]]:
+        """The side nodes of the window a chunk from `start` of k drafts is, when it is the whole
+        window and the draft grew it into a tree (specd.tree); a part of one verifies a chain."""
+        for w in self.window_ends:
+            if w.start == start and w.end == start + k and w.side_tokens:
+                return list(w.side_tokens), list(w.side_parents)
+        return [], []
+
     async def _send_verify(self, chunk: list[draft_pb2.DraftToken]) -> None:
         self.verify_id += 1
         msg = target_pb2.Verify(verify_id=self.verify_id, tokens=[t.token for t in chunk],
@@ -344,7 +356,10 @@ class RequestLoop:
             msg.distributions.extend(t.q for t in chunk)
         if self.threshold is not None and self.cfg.spec.relaxed:
             msg.relaxed_threshold = self.threshold
-        if chunk and not self.stats.fallback:
+        if self.side[0]:
+            msg.side_tokens.extend(self.side[0])
+            msg.side_parents.extend(self.side[1])
+        elif chunk and not self.stats.fallback:
             msg.top_logprobs = self.cfg.top_logprobs
         self.sent_at = time.perf_counter()
         await self._write_target(target_pb2.TargetRequest(verify=msg))
@@ -357,10 +372,12 @@ class RequestLoop:
         if not v.prefill_seconds:  # the first reply also waited for the prompt's prefill
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
-        tokens = [t.token for t in chunk[:n]] + [v.next_token]
-        self._record(k, n, v, [t.entropy for t in chunk])
+        side = len(self.side[0])
+        accepted = list(v.accepted_tokens) if side else [t.token for t in chunk[:n]]  # a tree's path
+        tokens = accepted + [v.next_token]
+        self._record(k, n, v, [t.entropy for t in chunk], side)
         start = len(self.seq)
-        ahead = self.drafts.get(start + n) if n == k else None
+        ahead = self.drafts.get(start + n) if n == k and not side else None
         if ahead is not None and ahead.token == v.next_token:
             self.stats.continuations_kept += 1  # PEARL: the next window's first draft was the bonus
         emitted, self.finish_reason = commit_tokens(tokens, start, self.cfg.eos, self.cfg.max_length)
@@ -374,17 +391,23 @@ class RequestLoop:
             await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
                 commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
                 js_distances=v.js_distances, top_logprobs=v.top_logprobs, features=v.features,
-                other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - k - 1, 0))))
+                other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - k - side - 1, 0),
+                side_nodes=side)))
         return emitted
 
-    def _record(self, k: int, n: int, v: target_pb2.Verified, entropies: Sequence[float] = ()) -> None:
+    def _record(self, k: int, n: int, v: target_pb2.Verified, entropies: Sequence[float] = (), side: int = 0) -> None:
         s = self.stats
         s.batch_sizes.append(v.batch_size)
         s.target_prefill_s += v.prefill_seconds
         s.target_decode_s_per_token = v.decode_seconds_per_token
         s.target_only_s += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
         s.target_only_tokens += n + 1
-        s.record_round(k, n, v.num_strict, n - min(n, v.num_strict), entropies)
+        if side:  # a draft tree: n - num_strict tokens came from a side branch, none relaxed
+            s.record_round(k + side, n, v.num_strict, 0, entropies)
+            s.tree_rounds += 1
+            s.branch_accepted += n > v.num_strict
+        else:
+            s.record_round(k, n, v.num_strict, n - min(n, v.num_strict), entropies)
 
     def _plain_step_at(self, sessions: int, decode_s: float) -> float:
         """A plain decoding step's seconds in a forward of `sessions` sessions: the target's

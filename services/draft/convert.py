@@ -37,6 +37,7 @@ class DraftOpen:
     lookahead: int  # 1: sequential, 2: PEARL
     send_distributions: bool
     vocab_size: int | None  # the target's, when the coordinator says
+    branches: int | None = None  # side branches per window (draft trees); None: the service's default
 
 
 def open_from_proto(msg: draft_pb2.OpenDraft) -> DraftOpen:
@@ -53,7 +54,7 @@ def open_from_proto(msg: draft_pb2.OpenDraft) -> DraftOpen:
     if msg.lookahead not in (1, 2):
         raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
     return DraftOpen(list(msg.prompt_ids), sampling, spec, dict(msg.policy_state), msg.max_length, msg.lookahead,
-                     msg.send_distributions, msg.vocab_size or None)
+                     msg.send_distributions, msg.vocab_size or None, msg.branches if msg.HasField("branches") else None)
 
 
 def costs_from_proto(msg: draft_pb2.OpenDraft, t_draft: float) -> CostCurve:
@@ -81,8 +82,10 @@ def commit_from_proto(msg: draft_pb2.Commit) -> Commit:
         raise InvalidRequest("features", str(e)) from None
     if msg.other_sessions < 0 or msg.other_tokens < 0:
         raise InvalidRequest("other_sessions", "the load of a forward cannot be negative")
+    if not msg.tokens:
+        raise InvalidRequest("tokens", "a commit appends at least the recovered or bonus token")
     return Commit(msg.commit_id, tuple(msg.tokens), msg.num_verified, msg.num_strict,
-                  tuple(msg.js_distances), top, features, msg.other_sessions, msg.other_tokens)
+                  tuple(msg.js_distances), top, features, msg.other_sessions, msg.other_tokens, msg.side_nodes)
 
 
 def event_to_proto(event) -> draft_pb2.DraftResponse:
@@ -94,7 +97,8 @@ def event_to_proto(event) -> draft_pb2.DraftResponse:
         return draft_pb2.DraftResponse(token=tok)
     if isinstance(event, WindowEnd):
         end = draft_pb2.WindowEnd(epoch=event.epoch, start=event.start, end=event.end,
-                                  reason=REASONS[event.reason], plain_rounds=event.plain_rounds)
+                                  reason=REASONS[event.reason], plain_rounds=event.plain_rounds,
+                                  side_tokens=event.side_tokens, side_parents=event.side_parents)
         if event.relaxed_threshold is not None:
             end.relaxed_threshold = event.relaxed_threshold
         return draft_pb2.DraftResponse(window_end=end)

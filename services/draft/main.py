@@ -37,7 +37,7 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
     if s.threads:
         torch.set_num_threads(s.threads)
     model = draft_model = None
-    if s.drafter in ("early-exit", "feature"):
+    if s.drafter in ("early-exit", "feature", "hybrid"):
         model = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward,
                            cuda_graphs="off")
     elif s.drafter == "hf":
@@ -57,7 +57,8 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
 
         dvi = RedisDVI(s.redis_url, drafter.name)
     return DraftServicer(drafter, model, head, dvi=dvi, dvi_poll_s=s.dvi_poll_s, executor=executor,
-                         max_batch_size=s.max_batch_size, load_caps=parse_load_caps(s.load_draft_caps))
+                         max_batch_size=s.max_batch_size, load_caps=parse_load_caps(s.load_draft_caps),
+                         branches=s.branches)
 
 
 async def start(s: DraftSettings, servicer: DraftServicer) -> tuple[grpc.aio.Server, int]:

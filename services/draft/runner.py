@@ -31,6 +31,7 @@ from specd.drafters.base import DraftSession, DraftToken
 from specd.dvi import Record
 from specd.policies import Decision, StoppingPolicy
 from specd.sampling import request_generator
+from specd.tree import TreePlanner
 from specd.types import DraftStep, RoundOutcome, SamplingParams
 
 
@@ -52,6 +53,8 @@ class WindowEnd:
     reason: str  # policy | cap | no_proposal | length
     relaxed_threshold: float | None
     plain_rounds: int = 0  # an empty window opening this many plain rounds (the coordinator need not wait)
+    side_tokens: tuple[int, ...] = ()  # the window as a draft tree: side nodes beside its tokens
+    side_parents: tuple[int, ...] = ()  # (DraftTree.side: -1 the root, then the window's tokens, then side nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,7 @@ class Commit:
     # the load of the target forward that verified it: other sessions and their new tokens
     other_sessions: int = 0
     other_tokens: int = 0
+    side_nodes: int = 0  # verified as a draft tree with this many side nodes beside the chain
 
 
 @dataclass
@@ -98,11 +102,14 @@ class DraftRunner:
                  on_step: Callable[[float], None] | None = None,
                  log_records: Callable[[list[Record]], None] | None = None,
                  adapter_version: Callable[[], int] = lambda: 0, batcher: StepBatcher | None = None,
-                 load_caps: tuple[tuple[int, int], ...] = ()):
+                 load_caps: tuple[tuple[int, int], ...] = (), trees: TreePlanner | None = None,
+                 t_target: Callable[[float], float] | None = None):
         """batcher: runs this session's draft steps in forwards shared with other sessions, where
         the session can (a model drafter over a KV pool); otherwise each step runs alone.
         load_caps: (sessions, cap) pairs, ascending: with at least `sessions` sessions in the
-        target's last forward for this session, a window holds at most `cap` drafts (0: none)."""
+        target's last forward for this session, a window holds at most `cap` drafts (0: none).
+        trees: grows each window into a draft tree (specd.tree), priced on t_target, the target's
+        seconds for a forward over n tokens."""
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this runner's own drafts
         self.prompt_len = len(prompt)
@@ -128,6 +135,8 @@ class DraftRunner:
         self.load_caps = load_caps
         self.sessions = 1  # in the target forward that verified this session's last chunk
         self.plain_until = 0  # no drafting before this position: a stretch of plain rounds promised
+        self.trees, self.t_target = trees, t_target
+        self.rounds = self.accepted = 0  # verifications and the drafts they kept (a tree's mean tokens)
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -185,9 +194,11 @@ class DraftRunner:
             # An empty window: the coordinator verifies a plain step, and the next ones too where
             # the policy already knows it will not draft (no round trip to the draft for them).
             window.gated = True
-            rounds = 1 if by_load else max(1, min(self.policy.plain_rounds(), self.max_length - 1 - window.start))
+            # With trees every round is asked for (a gated round may still verify the lookups).
+            stretch = 1 if by_load or self.trees is not None else self.policy.plain_rounds()
+            rounds = max(1, min(stretch, self.max_length - 1 - window.start))
             self.plain_until = window.start + rounds
-            self._end(window, "policy", rounds)
+            self._end(window, "policy", rounds, tree=not by_load)
             return None
         return window
 
@@ -221,20 +232,40 @@ class DraftRunner:
                 cap = min(cap, load_cap)
         return cap
 
-    def _end(self, window: _Window, reason: str, plain_rounds: int = 0) -> None:
+    def _end(self, window: _Window, reason: str, plain_rounds: int = 0, tree: bool = True) -> None:
         window.ended = True
+        side = self._tree(window) if tree and self.trees is not None else ((), ())
         self.publish(WindowEnd(self.epoch, window.start, window.end, reason, self.policy.relaxed_threshold(),
-                               plain_rounds))
+                               plain_rounds, *side))
+
+    def _tree(self, window: _Window) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The window grown into a draft tree (TreePlanner.grow): its side nodes' tokens and parents."""
+        t0 = time.perf_counter()
+        mean = self.accepted / self.rounds + 1.0 if self.rounds else 0.0
+        tree = self.trees.grow(self.session, self.seq[:window.start], list(window.tokens),
+                               self.max_length - window.start - 1, self.sampling, mean, self.t_target)
+        self.draft_seconds += time.perf_counter() - t0  # the alternatives' lookups are drafting
+        tokens, parents = tree.side()
+        return tuple(tokens), tuple(parents)
 
     # -- commits (on the event loop) --------------------------------------------------------
     def commit(self, c: Commit) -> None:
-        s, n = self.committed, len(c.tokens) - 1
-        self._pace(s, len(c.tokens))
+        """Apply a verification: drafts that equal the committed tokens stay, the rest roll back."""
+        s, new = self.committed, c.tokens
+        n = len(new) - 1
+        self._pace(s, len(new))
         self.sessions = 1 + c.other_sessions
+        self.rounds += 1
+        self.accepted += n
+        if c.side_nodes and self.trees is not None:
+            self.trees.observe(c.side_nodes, n, c.num_strict)
         if self.policy.resources.costs is not None:
             self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens)
-        for i in range(n):
-            self.strict[s + i] = i < c.num_strict
+        for i, tok in enumerate(new):
+            if i < c.num_verified:  # judged by the target: accepted by the lossless rule or not
+                self.strict[s + i] = i < c.num_strict
+            elif s + i < len(self.seq):  # drafted past the chunk: right if it equals what was committed
+                self.strict[s + i] = self.seq[s + i] == tok
         for i, d in enumerate(c.js_distances):
             self.js[s + i] = d
         if c.features is not None:
@@ -245,24 +276,19 @@ class DraftRunner:
         nxt = s + n  # position of the recovered or bonus token
         for w in self.windows:  # a dropped token is judged by the token committed in its place
             if w.dropped is not None and s <= w.end <= nxt:
-                self.emitted[w.end] = c.tokens[w.end - s]
-        has_draft = nxt < len(self.seq)
-        if n < c.num_verified:
-            self.strict[nxt] = False  # rejected by verification
-        elif has_draft:
-            self.strict[nxt] = self.seq[nxt] == c.tokens[-1]  # a bonus our next draft predicted
-        if n < c.num_verified or (has_draft and self.seq[nxt] != c.tokens[-1]):
-            del self.seq[nxt:]
-            self.rollback_to = nxt
+                self.emitted[w.end] = new[w.end - s]
+        drafted = min(len(new), len(self.seq) - s)
+        agree = next((i for i in range(drafted) if self.seq[s + i] != new[i]), drafted)
+        if agree < drafted:  # a draft the verification did not keep: it and what follows go
+            del self.seq[s + agree:]
+            self.rollback_to = s + agree
             self.epoch += 1
-        if len(self.seq) <= nxt:
-            self.seq.append(c.tokens[-1])
-            if not has_draft:
-                # Verification overtook the drafting (PEARL pre-verify): its last token is
-                # committed where the open window's next draft would have gone. That window
-                # ends here and the next draft starts a new one (a window's tokens are
-                # contiguous positions). After a rollback, judging drops the window instead.
-                self._cut_open_window(nxt)
+        elif len(self.seq) < s + len(new):
+            # Verification overtook the drafting (PEARL pre-verify, or a tree's longer side path):
+            # the open window ends where its drafts do, and the next draft starts a new one (a
+            # window's tokens are contiguous positions). After a rollback, judging drops it.
+            self._cut_open_window(len(self.seq))
+        self.seq += new[len(self.seq) - s:]
         self.committed = nxt + 1
         self.publish(Ack(c.commit_id, self.epoch))
         self._judge_windows()

@@ -28,6 +28,7 @@ from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import POLICIES, PolicyResources, request_policy
+from specd.tree import TreePlanner, tree_shape
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -38,11 +39,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, drafter: Drafter, model: LoadedModel | None, specdecpp_head=None,
                  registry: CollectorRegistry | None = None, dvi: RedisDVI | None = None, dvi_poll_s: float = 1.0,
                  executor: ThreadPoolExecutor | None = None, max_batch_size: int = 16,
-                 load_caps: tuple[tuple[int, int], ...] = ()):
+                 load_caps: tuple[tuple[int, int], ...] = (), branches: int | None = None):
         """executor: the compute thread (services.common.compute), one model, one thread.
         max_batch_size: most sessions' draft steps in one forward (model drafters over a KV pool).
-        load_caps: windows capped by the target's load (services.common.settings.parse_load_caps)."""
+        load_caps: windows capped by the target's load (services.common.settings.parse_load_caps).
+        branches: side branches of a draft tree where a request does not say (None: the drafter's)."""
         self.load_caps = load_caps
+        self.branches = tree_shape(branches, drafter, "", False)[0]  # names the setting a drafter cannot take
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = executor or compute_thread("draft")
         # Draft steps of concurrent sessions share forwards; a session comes back at once when its
@@ -89,7 +92,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                    has_distribution=self.drafter.has_distribution, policies=policies,
                                    top_logprobs=TOP_K if learning else 0,
                                    adapter_version=self.drafter.lora_version if learning else 0,
-                                   needs_features=self.drafter.needs_target_features)
+                                   needs_features=self.drafter.needs_target_features,
+                                   branches=0 if learning else self.branches)
 
     async def Session(self, requests, context: grpc.aio.ServicerContext):
         first = await anext(aiter(requests), None)
@@ -125,13 +129,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:
         o = open_from_proto(msg)
-        policy = request_policy(o.spec, o.state, PolicyResources(None, self.specdecpp_head),
-                                lambda: costs_from_proto(msg, self.t_draft.value))  # asked by cost-aware only
+        def costs():  # asked by cost-aware and draft trees only
+            return costs_from_proto(msg, self.t_draft.value)
+
+        policy = request_policy(o.spec, o.state, PolicyResources(None, self.specdecpp_head), costs)
         learning = self.learning
+        # Draft trees; not while learning online, whose top log-probabilities are a chain's.
+        shape = tree_shape(self.branches if o.branches is None else o.branches, self.drafter, o.spec.policy,
+                           o.spec.relaxed)
+        trees = TreePlanner(*shape) if shape[0] and learning is None else None
+        curve = (policy.resources.costs or costs()) if trees is not None else None
         return DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length, o.lookahead,
                            o.send_distributions and self.drafter.has_distribution, self.executor, publish,
                            self._on_step, learning.log if learning is not None else None,
-                           lambda: self.drafter.lora_version, self.batcher, self.load_caps)
+                           lambda: self.drafter.lora_version, self.batcher, self.load_caps, trees,
+                           curve.t_monotone if curve is not None else None)
 
     def _on_batch(self, sessions: int, tokens: int, waits: list[float]) -> None:
         self.metrics.batch_size.observe(sessions)

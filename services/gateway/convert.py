@@ -77,7 +77,7 @@ def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
 
 def spec_params(opts: SpeculativeOptions, default_policy: str) -> SpecParams:
     policy = (opts.policy or default_policy) if opts.enabled else NO_SPECULATION
-    return SpecParams(policy, opts.max_draft_tokens, dict(opts.params), opts.task_tag, opts.relaxed)
+    return SpecParams(policy, opts.max_draft_tokens, dict(opts.params), opts.task_tag, opts.relaxed, opts.branches)
 
 
 # -- responses --------------------------------------------------------------------------------

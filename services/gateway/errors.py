@@ -42,6 +42,7 @@ _PARAM_NAMES = {
     "max_draft_tokens": "speculative.max_draft_tokens",
     "policy_params.max_draft_tokens": "speculative.max_draft_tokens",  # the engine merges it in
     "relaxed": "speculative.relaxed",
+    "branches": "speculative.branches",
     "task_tag": "speculative.task_tag",
     "policy_params": "speculative.params",
 }

@@ -13,7 +13,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from specd.types import MAX_DRAFT_TOKENS, MAX_POLICY_PARAMS, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_K, TASK_TAG
+from specd.types import (
+    MAX_BRANCHES,
+    MAX_DRAFT_TOKENS,
+    MAX_POLICY_PARAMS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    TASK_TAG,
+)
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -54,6 +62,10 @@ class SpeculativeOptions(BaseModel):
                           description="key of the shared adaptive policy state")
     relaxed: bool = Field(False, description="AdaSD's lossy relaxed verification (adasd only)")
     overlap: bool | None = Field(None, description="PEARL overlap; default: the coordinator's setting")
+    branches: int | None = Field(None, ge=0, le=MAX_BRANCHES,
+                                 description="side branches verified beside the drafted chain as a draft tree "
+                                             "(lookup drafters: ngram, retrieval, hybrid); default: the draft "
+                                             "service's, 0: chains only")
 
 
 class StreamOptions(BaseModel):

@@ -159,26 +159,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         drafts = list(msg.tokens)
         session.check_window(drafts, list(msg.probs), bool(msg.distributions), msg.relaxed, msg.top_logprobs)
+        tree = session.tree(drafts, list(msg.side_tokens), list(msg.side_parents), msg.relaxed, msg.top_logprobs)
         q = self._distributions(msg, len(drafts))
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
-        ids, start = session.window(drafts), session.kv.length  # start: the position of ids[0]
+        ids, start = session.window(drafts, tree), session.kv.length  # start: the position of ids[0]
 
         def judge(logits: torch.Tensor, hidden: torch.Tensor | None):
             # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
+            if tree is not None:
+                verdict, accepted = session.judge_tree(logits, tree, q)
+                return verdict, None, None, accepted
             verdict, top, feats = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
                                                 msg.top_logprobs, start)
-            return verdict, top, features_to_proto(*feats) if feats else None
+            return verdict, top, features_to_proto(*feats) if feats else None, []
 
-        (verdict, top, feats), batch = await self.batcher.submit(session.kv, ids, len(drafts) + 1, judge,
-                                                                 session.features)
-        self.metrics.observe_verify(len(drafts), batch.forward_seconds)
+        rows = len(tree) + 1 if tree is not None else len(drafts) + 1
+        (verdict, top, feats, accepted), batch = await self.batcher.submit(session.kv, ids, rows, judge,
+                                                                           session.features, tree)
+        self.metrics.observe_verify(rows - 1, batch.forward_seconds)
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
             self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
             self.token_time_at = now
         session.last_reply_at = now
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
-            top_logprobs=top_logprobs_to_proto(top), features=feats,
+            top_logprobs=top_logprobs_to_proto(top), features=feats, accepted_tokens=accepted,
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,

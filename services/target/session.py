@@ -12,6 +12,7 @@ from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.sampling import request_generator
+from specd.tree import DraftTree, verify_tree
 from specd.types import SamplingParams
 from specd.verify import Verdict, verify_window
 
@@ -44,13 +45,39 @@ class TargetSession:
                                                                                          hidden])
         return len(part) < len(todo)
 
-    def window(self, drafts: list[int]) -> list[int]:
-        """The ids to feed for verifying drafts: uncached committed tokens, then the drafts."""
-        if len(self.seq) + len(drafts) >= self.target.max_context + 1:
+    def window(self, drafts: list[int], tree: DraftTree | None = None) -> list[int]:
+        """The ids to feed for verifying drafts: uncached committed tokens, then the drafts (with
+        a tree: its nodes, the drafts first)."""
+        if len(self.seq) + (len(tree) if tree is not None else len(drafts)) >= self.target.max_context + 1:
             raise InvalidRequest("tokens", f"the window would pass the context of {self.target.max_context}")
         if drafts and (min(drafts) < 0 or max(drafts) >= self.target.vocab_size):
             raise InvalidRequest("tokens", f"draft token ids must be in [0, {self.target.vocab_size})")
-        return self.seq[self.kv.length:] + drafts
+        return self.seq[self.kv.length:] + (tree.tokens if tree is not None else drafts)
+
+    def tree(self, drafts: list[int], side_tokens: list[int], side_parents: list[int], relaxed: bool,
+             top_k: int) -> DraftTree | None:
+        """The window as a draft tree when it brings side nodes (None: a chain); InvalidRequest
+        for a malformed tree or one asked with what is defined for chains only."""
+        if not side_tokens and not side_parents:
+            return None
+        if relaxed:
+            raise InvalidRequest("side_tokens", "relaxed verification is defined for chains, not draft trees")
+        if top_k:
+            raise InvalidRequest("side_tokens", "top_logprobs are returned for chains, not draft trees")
+        if self.features:
+            raise InvalidRequest("side_tokens", "a session that returns features verifies chains, not draft trees")
+        return DraftTree.from_nodes(drafts, side_tokens, side_parents, self.target.vocab_size)
+
+    def judge_tree(self, logits: torch.Tensor, tree: DraftTree, q: torch.Tensor | None) -> tuple[Verdict, list[int]]:
+        """A tree forward's logits [len(tree) + 1, V] -> (verdict: num_accepted the path's length,
+        num_strict its leading chain nodes; the path's tokens); commits it and keeps the path's
+        keys and values."""
+        committed = len(self.seq)
+        v = verify_tree(logits, tree, self.sampling, self.generator, committed, list(q) if q is not None else None)
+        self.kv.keep_path(committed, v.path)
+        accepted = [tree.tokens[i] for i in v.path]
+        self.seq += accepted + [v.next_token]
+        return Verdict(len(v.path), v.next_token, tree.main_prefix(v.path)), accepted
 
     def check_window(self, drafts: list[int], probs: list[float], has_distributions: bool, relaxed: bool,
                      top_k: int) -> None:

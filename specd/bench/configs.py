@@ -13,9 +13,9 @@ from pathlib import Path
 
 from specd.bench.peers import BASELINES, PEERS
 from specd.drafters import DRAFTERS, MODEL_FREE
-from specd.engine import TREE_BRANCHES
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, POLICIES, policy_class
+from specd.tree import TREE_BRANCHES
 
 BASELINE = "ar"
 SWEEP_K = range(1, 9)

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from specd.errors import InvalidRequest, Overloaded
 from specd.models.lean import LeanLlama
 
-
 # Windows up to this many query rows attend through batched matrix products rather than a fused
 # attention kernel, whose tiles are mostly idle for so few rows (docs/engine.md, "Static KV memory").
 MATMUL_ATTENTION_WIDTH = 32
@@ -464,14 +463,17 @@ class PoolSession:
     def extend_tree(self, pending: Sequence[int], tree, dtype: torch.dtype) -> torch.Tensor:
         """KVSession.extend_tree on the pool: nodes are cached after the pending tokens in tree
         order until keep_path."""
+        return self.pool.forward([self.tree_row(list(pending) + tree.tokens, tree)])[0][0]
+
+    def tree_row(self, ids: Sequence[int], tree) -> PoolRow:
+        """The row of a tree forward: ids are the pending committed tokens, then the tree's nodes;
+        logits after the last pending token and after each node."""
         from specd.tree import tree_mask
 
-        assert pending, "a tree hangs from the last committed token"
-        additive, positions = tree_mask(tree, self.length, len(pending), dtype, self.device)
-        ids = list(pending) + tree.tokens
-        row = PoolRow(self.slot, self.length, ids, len(tree) + 1, False,
-                      additive[0, 0] == 0, positions[0])
-        return self.pool.forward([row])[0][0]
+        pending = len(ids) - len(tree)
+        assert pending > 0, "a tree hangs from the last committed token"
+        additive, positions = tree_mask(tree, self.length, pending, torch.float32, self.device)
+        return PoolRow(self.slot, self.length, list(ids), len(tree) + 1, False, additive[0, 0] == 0, positions[0])
 
     @torch.inference_mode()
     def keep_path(self, base: int, nodes: list[int]) -> None:
@@ -496,9 +498,13 @@ class PoolSession:
 
 
 def pooled_extend(sessions: Sequence[PoolSession], ids: Sequence[Sequence[int]], num_logits: Sequence[int],
-                  want_hidden: Sequence[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """batched_extend_hidden for sessions of one pool: one forward, no copies."""
+                  want_hidden: Sequence[bool] | None = None,
+                  trees: Sequence | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """batched_extend_hidden for sessions of one pool: one forward, no copies. trees: a draft
+    tree per session or None (its ids end with the tree's nodes; PoolSession.tree_row)."""
     pool = sessions[0].pool
     assert all(s.pool is pool for s in sessions), "sessions of different pools"
     want = list(want_hidden) if want_hidden is not None else [False] * len(sessions)
-    return pool.forward([s.row(i, k, w) for s, i, k, w in zip(sessions, ids, num_logits, want)])
+    trees = list(trees) if trees is not None else [None] * len(sessions)
+    return pool.forward([s.tree_row(i, t) if t is not None else s.row(i, k, w)
+                         for s, i, k, w, t in zip(sessions, ids, num_logits, want, trees)])

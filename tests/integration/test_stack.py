@@ -289,3 +289,25 @@ def _load_args():
     return argparse.Namespace(model="specd", max_tokens=12, temperature=0.0, seed=None, concurrency="8", rates="",
                               repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0, long_prompt_tokens=0,
                               duration=0.0)
+
+
+def test_the_hybrid_drafter_with_draft_trees_answers_as_the_target(stack, reference):
+    """`specd serve draft --drafter hybrid`: the early-exit chain with retrieval's proposals beside
+    it, verified as draft trees by the target service; greedy answers equal the target alone's.
+    (Whether a round is worth a tree depends on the measured cost curve; tests/services/
+    coordinator/test_trees.py shows trees and side branches kept on a flat one.)"""
+    ngram = list(stack.flags["draft"])
+    metrics = ngram[ngram.index("--metrics-port"):ngram.index("--metrics-port") + 2]
+    _swap_draft(stack, ["--drafter", "hybrid", "--target-model", "embedded", "--threads", "1", *metrics])
+    try:
+        n = 32
+        for policy in ("constant", "cost-aware"):
+            doc = _chat(stack, n, policy=policy)
+            stats = doc["spec_stats"]
+            if stats["fallback"]:
+                _fail_with_logs(stack, f"{policy}: fell back to the target alone: {stats['fallback_reason']}")
+            assert doc["choices"][0]["message"]["content"] == reference(n)[1], policy
+            assert "+" in stats["drafter"] and not stats["overlap"], stats  # trees run sequentially
+            assert stats["tree_rounds"] >= stats["branch_accepted"] >= 0
+    finally:
+        _swap_draft(stack, ngram)

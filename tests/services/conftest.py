@@ -73,8 +73,8 @@ def target_service(service_loop, chat_pair):
     svc.stop()
 
 
-def draft_service(loop: LoopThread, drafter, model) -> Service:
-    servicer = DraftServicer(drafter, model)
+def draft_service(loop: LoopThread, drafter, model, **options) -> Service:
+    servicer = DraftServicer(drafter, model, **options)
     server, port = loop.run(start_draft(DraftSettings(port=0), servicer))
     return Service(f"127.0.0.1:{port}", servicer, server, loop)
 

@@ -95,3 +95,13 @@ def test_the_gateway_of_up_is_open_on_loopback():
     without keys, and says so."""
     flags = {name: flags for name, flags, _ in _plan(_args())}["gateway"]
     assert flags[flags.index("--auth") + 1] == "open"
+
+
+def test_the_hybrid_drafter_and_draft_trees_reach_the_draft_service():
+    from services.common.settings import DraftSettings
+
+    flags = {name: flags for name, flags, _ in _plan(_args("--drafter", "hybrid", "--branches", "3"))}["draft"]
+    assert flags[flags.index("--drafter") + 1] == "hybrid" and "--threads" in flags  # a model drafter
+    assert flags[flags.index("--branches") + 1] == "3"
+    assert DraftSettings(drafter="hybrid", branches=3).branches == 3  # the service takes both
+    assert "--branches" not in {name: flags for name, flags, _ in _plan(_args())}["draft"]

@@ -186,3 +186,40 @@ def test_choose_branches_skips_the_chains_own_start_and_repeats():
     assert choose_branches(proposals, [1, 2, 3], 3, 9) == [[5, 6, 7], [3, 4, 5], [8]]
     assert choose_branches([[1, 2, 3, 4]], [1, 2], 4, 2) == [[1, 2, 3, 4]]  # reaches past the chain
     assert choose_branches([[]], [], 4, 2) == []
+
+
+def test_a_tree_sent_as_side_nodes_is_the_same_tree():
+    from specd.tree import DraftTree
+
+    tree = DraftTree.from_chain([1, 2, 3])
+    tree.add([1, 5, 6], 8)
+    tree.add([4, 2], 8)
+    back = DraftTree.from_nodes(tree.tokens[:tree.main], *tree.side(), vocab_size=10)
+    assert (back.tokens, back.parents, back.depths, back.main) == (tree.tokens, tree.parents, tree.depths, tree.main)
+    assert back.children == tree.children
+
+
+@pytest.mark.parametrize("tokens, parents, field", [
+    ([4], [], "side_parents"),
+    ([4], [2], "side_parents"),  # a node's parent must come before it
+    ([2], [0], "side_tokens"),  # the chain's own next token again
+    ([10], [-1], "side_tokens"),  # outside the vocabulary
+    ([4] * 31, [-1] + list(range(1, 31)), "side_tokens"),  # past MAX_TREE_NODES
+])
+def test_a_malformed_tree_names_the_field(tokens, parents, field):
+    from specd.errors import InvalidRequest
+    from specd.tree import DraftTree
+
+    with pytest.raises(InvalidRequest) as e:
+        DraftTree.from_nodes([1, 2], tokens, parents, vocab_size=10)
+    assert e.value.field == field
+
+
+def test_the_planner_adds_side_nodes_only_where_the_cost_curve_lets_them_pay():
+    from specd.tree import MAX_TREE_NODES, TreePlanner
+
+    planner = TreePlanner(3, 4)
+    assert planner.budget(4, 2.0, lambda n: 1.0) == MAX_TREE_NODES - 4  # flat: every node
+    assert planner.budget(4, 2.0, lambda n: float(n)) == 0  # linear: a side node costs a token
+    planner.observe(4, 3, 0)  # four side nodes kept three tokens
+    assert planner.gain > 0.05

@@ -394,3 +394,46 @@ def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it
     ends = [e for e in events if isinstance(e, WindowEnd)]
     assert [(e.start, e.end, e.plain_rounds) for e in ends] == [(3, 3, 4)]
     assert policy.asked == 2 and policy.paces == [False, False, False]  # the first commit is not timed
+
+
+class BranchingSession(FakeSession):
+    """Drafts draft_of(position); offers one side branch [7, 8, 9] after any sequence."""
+
+    def branches(self, seq, chain, length, params=None):
+        return [[7, 8, 9][:length]]
+
+
+def test_a_window_grows_into_a_tree_and_a_side_path_is_committed():
+    """The window end carries the side nodes; a commit along a side branch longer than the chain
+    rolls the drafts back to where the path left the chain and continues after the path."""
+    from specd.tree import TreePlanner
+
+    async def run():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(BranchingSession(), build_policy("constant", {"k": 2}, {}), SamplingParams(), PROMPT,
+                             max_length=64, lookahead=1, send_q=False, executor=executor, publish=events.append,
+                             trees=TreePlanner(1, 3), t_target=lambda n: 1.0)  # a flat curve: every node pays
+        task = asyncio.create_task(runner.run())
+        for _ in range(2):
+            await settle()
+            executor.step()
+        await settle()
+        end = next(e for e in events if isinstance(e, WindowEnd))
+        assert (end.start, end.end) == (3, 5)
+        assert (end.side_tokens, end.side_parents) == ((7, 8, 9), (-1, 2, 3))  # a branch from the root
+        assert runner.draft_seconds > 0  # the lookup counts as drafting
+        # The target took the side branch's three nodes, then its own token 10.
+        runner.commit(Commit(1, (7, 8, 9, 10), num_verified=2, num_strict=0, side_nodes=3))
+        assert events[-1] == Ack(1, 1)  # the chain's drafts were rolled back
+        assert runner.rollback_to == 3
+        assert runner.seq == [*PROMPT, 7, 8, 9, 10] and runner.committed == 7
+        assert runner.windows == []  # judged: its first draft was refused
+        assert runner.trees.gain > 0.05  # three side tokens kept: a side node pays more than the prior
+        await settle()
+        executor.step()
+        await settle()
+        assert [e.position for e in events if isinstance(e, Token)][-1] == 7  # drafting goes on after the path
+        task.cancel()
+
+    asyncio.run(run())

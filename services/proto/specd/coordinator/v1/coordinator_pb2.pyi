@@ -38,7 +38,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculative(_message.Message):
-    __slots__ = ("policy", "max_draft_tokens", "params", "task_tag", "relaxed", "overlap")
+    __slots__ = ("policy", "max_draft_tokens", "params", "task_tag", "relaxed", "overlap", "branches")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,13 +52,15 @@ class Speculative(_message.Message):
     TASK_TAG_FIELD_NUMBER: _ClassVar[int]
     RELAXED_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     policy: str
     max_draft_tokens: int
     params: _containers.ScalarMap[str, float]
     task_tag: str
     relaxed: bool
     overlap: bool
-    def __init__(self, policy: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ..., task_tag: _Optional[str] = ..., relaxed: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    branches: int
+    def __init__(self, policy: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ..., task_tag: _Optional[str] = ..., relaxed: _Optional[bool] = ..., overlap: _Optional[bool] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "speculative")
@@ -107,7 +109,7 @@ class Finish(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded", "fallback_kind")
+    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded", "fallback_kind", "tree_rounds", "branch_accepted")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +130,8 @@ class SpecStats(_message.Message):
     RELAXED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_KIND_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     policy: str
     drafter: str
     drafted: int
@@ -148,4 +152,6 @@ class SpecStats(_message.Message):
     relaxed_accepted: int
     discarded: int
     fallback_kind: str
-    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ..., fallback_kind: _Optional[str] = ...) -> None: ...
+    tree_rounds: int
+    branch_accepted: int
+    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ..., fallback_kind: _Optional[str] = ..., tree_rounds: _Optional[int] = ..., branch_accepted: _Optional[int] = ...) -> None: ...

@@ -22,7 +22,7 @@ STOP_REASON_NO_PROPOSAL: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version", "needs_features")
+    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version", "needs_features", "branches")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DraftInfo(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: str
     name: str
@@ -39,7 +40,8 @@ class DraftInfo(_message.Message):
     top_logprobs: int
     adapter_version: int
     needs_features: bool
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ..., needs_features: _Optional[bool] = ...) -> None: ...
+    branches: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ..., needs_features: _Optional[bool] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "commit", "close")
@@ -52,7 +54,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenDraft, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., close: _Optional[_Union[CloseDraft, _Mapping]] = ...) -> None: ...
 
 class OpenDraft(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "verify_seconds", "round_overhead_seconds", "batch_seconds", "batch_token_seconds")
+    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "verify_seconds", "round_overhead_seconds", "batch_seconds", "batch_token_seconds", "branches")
     class PolicyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class OpenDraft(_message.Message):
     ROUND_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     policy: str
@@ -95,10 +98,11 @@ class OpenDraft(_message.Message):
     round_overhead_seconds: float
     batch_seconds: _containers.RepeatedScalarFieldContainer[float]
     batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    branches: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features", "other_sessions", "other_tokens")
+    __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features", "other_sessions", "other_tokens", "side_nodes")
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +112,7 @@ class Commit(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     OTHER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_NODES_FIELD_NUMBER: _ClassVar[int]
     commit_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     num_verified: int
@@ -117,7 +122,8 @@ class Commit(_message.Message):
     features: _common_pb2.Features
     other_sessions: int
     other_tokens: int
-    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., other_sessions: _Optional[int] = ..., other_tokens: _Optional[int] = ...) -> None: ...
+    side_nodes: int
+    def __init__(self, commit_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., other_sessions: _Optional[int] = ..., other_tokens: _Optional[int] = ..., side_nodes: _Optional[int] = ...) -> None: ...
 
 class CloseDraft(_message.Message):
     __slots__ = ()
@@ -152,20 +158,24 @@ class DraftToken(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., position: _Optional[int] = ..., token: _Optional[int] = ..., prob: _Optional[float] = ..., entropy: _Optional[float] = ..., q: _Optional[_Union[_common_pb2.Distribution, _Mapping]] = ...) -> None: ...
 
 class WindowEnd(_message.Message):
-    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold", "plain_rounds")
+    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold", "plain_rounds", "side_tokens", "side_parents")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     start: int
     end: int
     reason: StopReason
     relaxed_threshold: float
     plain_rounds: int
-    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
+    side_tokens: _containers.RepeatedScalarFieldContainer[int]
+    side_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ..., plain_rounds: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitAck(_message.Message):
     __slots__ = ("commit_id", "epoch")

@@ -55,7 +55,7 @@ class OpenTarget(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs")
+    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs", "side_tokens", "side_parents")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class Verify(_message.Message):
     RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     RELAXED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
@@ -70,7 +72,9 @@ class Verify(_message.Message):
     relaxed_threshold: float
     relaxed: bool
     top_logprobs: int
-    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    side_tokens: _containers.RepeatedScalarFieldContainer[int]
+    side_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseTarget(_message.Message):
     __slots__ = ()
@@ -85,7 +89,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens", "accepted_tokens")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +102,7 @@ class Verified(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -110,7 +115,8 @@ class Verified(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     features: _common_pb2.Features
     batch_tokens: int
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
     __slots__ = ()
