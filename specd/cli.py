@@ -218,9 +218,11 @@ def _add_bench(sub) -> None:
                                             "unseeded runs use rejection sampling")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--baselines", default="ar,hf-prompt-lookup",
-                   help="comma list of ar, hf-ar, hf-assisted, hf-heuristic, hf-prompt-lookup (ar always "
-                        "runs; hf-ar: transformers' generate() alone, what specd's runtime is worth "
-                        "before speculation)")
+                   help="comma list of ar, hf-ar, hf-assisted, hf-heuristic, hf-prompt-lookup, llama-cpp, "
+                        "llama-cpp-lookup (ar always runs; hf-ar: transformers' generate() alone, what "
+                        "specd's runtime is worth before speculation; llama-cpp: llama.cpp alone on the "
+                        "same GGUF at specd's precision, -lookup with its prompt lookup; needs the "
+                        "'llama' extra, else skipped)")
     b.add_argument("--sweep-k", action="store_true", help="also run constant K = 1..8 (expensive)")
     b.add_argument("--trees", action="store_true",
                    help="also run every lookup-drafter configuration with draft trees (DRAFTER/POLICY/tree, "

@@ -242,9 +242,7 @@ class GenerationRun:
         if self.costs is not None and start == committed - 1:  # not the prefill round
             self.costs.observe_target(len(tree) + 1, verify_s)
         self.trees.observe(len(tree) - k, n, n_main)
-        stats.record_round(len(tree), n, n_main, 0, [s.entropy for s in steps])
-        stats.tree_rounds += 1
-        stats.branch_accepted += n > n_main
+        stats.record_tree_round(len(tree), n, n_main, [s.entropy for s in steps])
         tokens = [tree.tokens[i] for i in path] + [verdict.next_token]
         if k or dropped is not None:
             self._observe(steps, n_main, tokens[n_main], dropped, hit_cap)

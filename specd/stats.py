@@ -54,6 +54,13 @@ class GenerationStats:
         self.judged_entropies.extend(entropies[:judged])
         self.judged_accepted.extend(i < strict for i in range(judged))
 
+    def record_tree_round(self, nodes: int, accepted: int, on_chain: int, entropies: Sequence[float] = ()) -> None:
+        """One verification of a draft tree of `nodes` nodes: `accepted` kept along its path, the
+        leading `on_chain` of them the policy's chain (the rest from a side branch)."""
+        self.record_round(nodes, accepted, on_chain, 0, entropies)
+        self.tree_rounds += 1
+        self.branch_accepted += accepted > on_chain
+
     @property
     def mean_accepted_tokens(self) -> float:
         return self.accepted / self.verifications + 1.0 if self.verifications else 0.0

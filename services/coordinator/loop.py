@@ -402,10 +402,8 @@ class RequestLoop:
         s.target_decode_s_per_token = v.decode_seconds_per_token
         s.target_only_s += (n + 1) * self._plain_step_at(v.batch_size, v.decode_seconds_per_token)
         s.target_only_tokens += n + 1
-        if side:  # a draft tree: n - num_strict tokens came from a side branch, none relaxed
-            s.record_round(k + side, n, v.num_strict, 0, entropies)
-            s.tree_rounds += 1
-            s.branch_accepted += n > v.num_strict
+        if side:  # a draft tree: num_strict of the path's n tokens lead along the chain
+            s.record_tree_round(k + side, n, v.num_strict, entropies)
         else:
             s.record_round(k, n, v.num_strict, n - min(n, v.num_strict), entropies)
 

@@ -1,4 +1,5 @@
-"""Peer baselines from transformers, timed like our runs (time.perf_counter around the call).
+"""Peer baselines from transformers (and llama.cpp, specd.bench.llama_cpp), timed like our runs
+(time.perf_counter around the call).
 
 - hf-ar: generate() alone, transformers' own target-only decoding (what the runtime is worth
   before any speculation: specd's `ar` runs the same model through specd's forward);
@@ -23,10 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
+from specd.bench import llama_cpp
 from specd.models.loading import LoadedModel
 from specd.types import SamplingParams
 
-PEERS = ("hf-ar", "hf-prompt-lookup", "hf-assisted", "hf-heuristic")
+PEERS = ("hf-ar", "hf-prompt-lookup", "hf-assisted", "hf-heuristic", *llama_cpp.LLAMA_PEERS)
 BASELINES = ("ar", *PEERS)
 
 # The assistant's generation-config fields each assisted peer starts from; transformers mutates
@@ -44,10 +46,12 @@ def sklearn_available() -> bool:
     return importlib.util.find_spec("sklearn") is not None
 
 
-def skip_reason(peer: str, draft_model: LoadedModel | None) -> str | None:
+def skip_reason(peer: str, draft_model: LoadedModel | None, target: LoadedModel | None = None) -> str | None:
     """Why a peer cannot run with these models, or None."""
     if peer in _ASSISTANT_FIELDS and draft_model is None:
         return "needs a separate draft model (--drafter hf --draft-model DIR) or the early-exit drafter"
+    if peer in llama_cpp.LLAMA_PEERS:
+        return llama_cpp.skip_reason(target)
     return None
 
 
@@ -87,12 +91,16 @@ class _DraftHead(torch.nn.Module):
 class PeerRunner:
     """Runs one peer's generate() per prompt; holds the assisted peers' persistent settings."""
 
-    def __init__(self, target: LoadedModel, draft_model: LoadedModel | None):
+    def __init__(self, target: LoadedModel, draft_model: LoadedModel | None, cache_dir=None):
         self.target, self.draft_model = target, draft_model
         self.assistant_state = {k: dict(v) for k, v in _ASSISTANT_FIELDS.items()}
+        self.llama = llama_cpp.LlamaCppPeers(target, cache_dir)  # loads a model on first use only
 
     def generate(self, peer: str, prompt: Sequence[int], sampling: SamplingParams) -> tuple[list[int], float]:
         """(new token ids, wall seconds)."""
+        if peer in llama_cpp.LLAMA_PEERS:
+            ids, wall = self.llama.generate(peer, prompt, sampling)
+            return self._strip(ids), wall
         model = self.target.model
         kwargs = self._sampling_kwargs(sampling)
         if peer == "hf-prompt-lookup":

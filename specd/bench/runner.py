@@ -17,6 +17,7 @@ from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, bu
 from specd.bench.contention import CpuShare
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.metrics import peer_record, run_record
+from specd.bench.llama_cpp import LLAMA_PEERS
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
@@ -64,12 +65,12 @@ class BenchRun:
         self.sampling = SamplingParams(s.temperature, 0, 1.0, s.seed, s.max_new_tokens)
         self.sampling.validate(max_new_tokens_limit=models.target.max_context)
         self.prompts = bench_prompts(load_questions(s.dataset, s.limit, s.offset), s.turn)
-        peer_skips = {p: skip_reason(p, models.draft_model) for p in s.baselines if p != BASELINE}
+        peer_skips = {p: skip_reason(p, models.draft_model, models.target) for p in s.baselines if p != BASELINE}
         self.configs = build_configs(s, {d: d in models.heads for d in s.drafters}, peer_skips)
         self.engines = {None: SpeculativeEngine(models.target)}
         for kind, drafter in models.drafters.items():
             self.engines[kind] = SpeculativeEngine(models.target, drafter, specdecpp_head=models.heads.get(kind))
-        self.peers = PeerRunner(models.target, models.draft_model)
+        self.peers = PeerRunner(models.target, models.draft_model, s.cache_dir)
         self.prompt_ids: dict[str, list[int]] = {}
         self.records: dict[str, list[dict]] = {c.label: [] for c in self.configs if not c.skip}
         self.baseline_ids: dict[tuple[int, str], list[int]] = {}  # (repeat, prompt key) -> tokens
@@ -112,6 +113,9 @@ class BenchRun:
         SpeculativeEngine(self.m.target).generate(prompt, short, SpecParams("none"))
         for drafter in self.m.drafters.values():
             SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
+        for c in self.configs:  # llama.cpp loads its model and spins up its threads
+            if c.kind == "peer" and not c.skip and c.label in LLAMA_PEERS:
+                self.peers.generate(c.label, prompt, short)
         for c in self.configs:  # the start-up cost-curve measurement, before any timed run
             # (draft trees size themselves on the curve, whatever the policy)
             trees = c.branches if c.branches is not None else c.drafter and self.m.drafters[c.drafter].branches

@@ -73,14 +73,15 @@ def target_alone(target, prompt: str, sampling: SamplingParams) -> list[int]:
     return SpeculativeEngine(target).generate(ids, sampling, SpecParams("none")).token_ids
 
 
-def run_all(target_addr: str, draft_addr: str, sampling: SamplingParams, spec: SpecParams, target):
+def run_all(target_addr: str, draft_addr: str, sampling: SamplingParams, spec: SpecParams, target,
+            overlap: bool | None = None):
     trees = branched = 0
     for prompt in PROMPTS:
-        request = GenerateRequest(prompt=prompt, sampling=sampling, spec=spec)
+        request = GenerateRequest(prompt=prompt, sampling=sampling, spec=spec, overlap=overlap)
         ids, finish = generate(target_addr, draft_addr, request)
         assert ids == target_alone(target, prompt, sampling), prompt
         stats = finish.spec_stats
-        assert not stats["fallback"] and not stats["overlap"]  # trees grow from whole windows
+        assert not stats["fallback"] and stats["overlap"] is bool(overlap)  # trees: sequential unless asked
         trees, branched = trees + stats["tree_rounds"], branched + stats["branch_accepted"]
     return trees, branched
 
@@ -100,6 +101,13 @@ def test_the_hybrid_drafter_through_the_services_is_the_target_alone(chat_pair, 
     trees, branched = run_all(targets["pool"].address, hybrid_service.address, SAMPLINGS["greedy"],
                               SpecParams("constant"), chat_pair[0])
     assert trees > 0 and branched > 0
+
+
+def test_trees_under_pearl_when_a_request_asks(chat_pair, targets, hybrid_service):
+    """PEARL sends windows in parts; a whole one still goes as a tree, a part as a chain, and the
+    drafts past a side path roll back: the output stays the target's."""
+    run_all(targets["pool"].address, hybrid_service.address, SAMPLINGS["greedy"], SpecParams("constant"),
+            chat_pair[0], overlap=True)
 
 
 def test_a_request_can_turn_trees_off(chat_pair, targets, ngram_tree_service):

@@ -1,0 +1,37 @@
+"""llama.cpp as a bench peer: without the optional extra the two peers are skipped with a one-line
+reason (the tests never need llama-cpp-python); with it, only against the embedded GGUF target."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from specd.bench import llama_cpp
+from specd.bench.configs import BenchSettings, build_configs
+from specd.bench.peers import BASELINES, skip_reason
+from specd.models.tiny import loaded, tiny_llama
+
+
+@pytest.fixture
+def tiny_target():
+    return loaded(tiny_llama(0), "tiny")
+
+
+def test_without_the_extra_the_llama_cpp_peers_are_skipped_in_one_line(monkeypatch, tiny_target):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert set(llama_cpp.LLAMA_PEERS) <= set(BASELINES)
+    s = BenchSettings(baselines=("ar", *llama_cpp.LLAMA_PEERS))
+    s.validate()
+    skips = {p: skip_reason(p, None, tiny_target) for p in llama_cpp.LLAMA_PEERS}
+    configs = {c.label: c for c in build_configs(s, {}, skips)}
+    for peer in llama_cpp.LLAMA_PEERS:
+        assert configs[peer].kind == "peer"
+        assert "llama-cpp-python is not installed" in configs[peer].skip and "\n" not in configs[peer].skip
+
+
+def test_with_the_extra_only_the_embedded_gguf_target_is_a_peer(monkeypatch, tiny_target):
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    assert "embedded GGUF target only" in llama_cpp.skip_reason(tiny_target)
+    assert skip_reason("hf-ar", None, tiny_target) is None  # the transformers peers are unaffected
