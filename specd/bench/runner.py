@@ -16,8 +16,8 @@ from specd.bench import oracle as orc
 from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, build_configs
 from specd.bench.contention import CpuShare
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
-from specd.bench.metrics import peer_record, run_record
 from specd.bench.llama_cpp import LLAMA_PEERS
+from specd.bench.metrics import peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
