@@ -167,7 +167,12 @@ class TargetSettings(ModelSettings):
                                            "not stall other sessions' verifications (0: whole prompts)")
     cuda_graphs: str = Field("auto", pattern="^(auto|on|off)$",
                              description="capture the pool's forwards in CUDA graphs at start-up (auto: on a "
-                                         "CUDA device with a KV pool)")
+                                         "CUDA device with a KV pool; not with tensor_parallel)")
+    tensor_parallel: int = Field(1, ge=1, le=64,
+                                 description="shard every layer's heads and MLP columns over this many processes "
+                                             "(one GPU each, or CPU processes over gloo), started by the command "
+                                             "itself with torchrun; rank 0 serves. Needs a plain Llama model whose "
+                                             "heads split evenly and a KV pool")
 
 
 class CoordinatorSettings(GrpcServiceSettings):

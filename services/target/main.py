@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,25 +15,46 @@ from services.common.server import serve_until_signal, start_server
 from services.common.settings import TargetSettings
 from services.proto.specd.target.v1 import target_pb2_grpc
 from services.target.servicer import SERVICE_NAME, TargetServicer
+from specd.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 
 def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None) -> TargetServicer:
     """Load the model and measure it; run on the compute thread (services.common.compute)."""
-    import torch
-
-    from specd.models import load_model
-
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off")
-    use_pool(target, s)
+    target = load_target(s)
     return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
                           executor=executor, latency_budget=s.latency_budget)
 
 
-def use_pool(target, s: TargetSettings) -> None:
+def load_target(s: TargetSettings):
+    """The target model with its KV pool; under tensor parallelism this rank's shard (rank 0's
+    pool mirrors its forwards to the other ranks)."""
+    import torch
+
+    from specd.models import load_model
+    from specd.models.tp import TensorParallel
+
+    tp = TensorParallel.from_env() if s.tensor_parallel > 1 else None
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    elif tp is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.world))
+    if tp is not None:
+        if s.kv_slots == 0:
+            raise InvalidRequest("kv_slots", "a tensor-parallel target runs over a KV pool; set kv_slots > 0")
+        tp.init(torch.device("cuda" if s.device != "cpu" and torch.cuda.is_available() else "cpu"))
+    target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off",
+                        tensor_parallel=tp)
+    use_pool(target, s, graphs_allowed=tp is None)
+    if tp is not None and target.pool is None:
+        raise InvalidRequest("tensor_parallel", "the model has no KV pool (the lean forward does not support it)")
+    if tp is not None and tp.leader:
+        target.pool.tp = tp
+    return target
+
+
+def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
     """Open sessions in a preallocated KV pool (and capture CUDA graphs) where the settings and
     the model allow; otherwise sessions keep growing caches of their own."""
     from specd.models.lean import supports
@@ -41,7 +64,7 @@ def use_pool(target, s: TargetSettings) -> None:
     if not supports(target.model):
         log.warning("target %s: no KV pool (the lean forward does not support this model)", target.name)
         return
-    graphs = s.cuda_graphs == "on" or (s.cuda_graphs == "auto" and target.device.type == "cuda")
+    graphs = graphs_allowed and (s.cuda_graphs == "on" or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
     pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs)
     log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
@@ -60,7 +83,23 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 
 
 async def serve(s: TargetSettings) -> None:
+    if s.tensor_parallel > 1:
+        from specd.models.tp import TensorParallel, follow, stop_followers
+
+        tp = TensorParallel.from_env()
+        if tp is None:  # start the ranks: this command again under torchrun, one process per rank
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={s.tensor_parallel}", "-m", "specd", *sys.argv[1:]]
+            log.info("tensor parallel over %d ranks: %s", s.tensor_parallel, " ".join(argv))
+            os.execv(sys.executable, argv)
+        if tp.world != s.tensor_parallel:
+            raise InvalidRequest("tensor_parallel", f"launched with {tp.world} ranks, asked for {s.tensor_parallel}")
+        if not tp.leader:
+            follow(load_target(s).pool, tp)  # the forwards rank 0 broadcasts, until it stops
+            return
     servicer = await build_on(compute_thread("target"), build_servicer, s)
     server, port = await start(s, servicer)
     await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port, s.drain_grace_s)
     servicer.close()
+    if s.tensor_parallel > 1:
+        await build_on(servicer.executor, lambda _executor: stop_followers(tp))

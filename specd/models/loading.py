@@ -151,7 +151,8 @@ def pool_length(config, dtype: torch.dtype, slots: int, context: int, free_bytes
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
-               linear_kernels: str = "auto", forward: str = "auto", cuda_graphs: str = "auto") -> LoadedModel:
+               linear_kernels: str = "auto", forward: str = "auto", cuda_graphs: str = "auto",
+               tensor_parallel=None) -> LoadedModel:
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
@@ -159,10 +160,16 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     oneDNN on a float32 CPU model). forward: auto | lean | hf (specd/models/lean.py; auto runs
     the lean Llama forward on the CPU). cuda_graphs: auto | on | off (auto: on a CUDA device,
     for a model the lean forward supports, sessions open in a KV pool whose forwards are
-    captured in CUDA graphs on first use, specd/models/graphs.py)."""
+    captured in CUDA graphs on first use, specd/models/graphs.py). tensor_parallel: this
+    process's specd.models.tp.TensorParallel (its share of every layer, on its own GPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
+    if tensor_parallel is not None:
+        if device == SHARD:
+            raise InvalidRequest("tensor_parallel", "a tensor-parallel target places itself; not with --device shard")
+        if dev.type == "cuda":
+            dev = torch.device("cuda", tensor_parallel.local_rank)
     torch_dtype = resolve_dtype(dtype, dev)
     check_kernels(linear_kernels)  # before the load: a typo costs no time
     check_forward(forward)
@@ -186,6 +193,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
+    if tensor_parallel is not None:
+        from specd.models.tp import shard_llama
+
+        if not supports(model):
+            raise InvalidRequest("tensor_parallel", "tensor parallelism needs a plain Llama model (the lean forward)")
+        shard_llama(model, tensor_parallel)
     use_kernels(model, linear_kernels)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():

@@ -167,6 +167,7 @@ class KVPool:
         self.lengths = [0] * slots
         self.written = [0] * slots  # each slot's high-water mark: the positions whose pages are mapped
         self.graphs = None  # a specd.models.graphs.GraphRunner, when forwards are captured
+        self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
 
     # slots ---------------------------------------------------------------------------------
 
@@ -236,17 +237,9 @@ class KVPool:
             if r.start + len(r.ids) > self.max_len:
                 raise InvalidRequest("tokens", f"the session would pass the KV slot's {self.max_len} positions")
         assert len({r.slot for r in rows}) == len(rows), "a slot appears twice in one batch"
-        width, span = max(len(r.ids) for r in rows), self.span(rows)
-        replayed = None
-        if self.graphs is not None and all(r.mask is None for r in rows):
-            replayed = self.graphs.run(rows, width, span)
-        if replayed is not None:
-            hidden, width = replayed
-        else:
-            hidden = self.hidden(self.inputs(rows, len(rows), width, span))
-        for r in rows:
-            self.lengths[r.slot] = r.start + len(r.ids)
-            self.written[r.slot] = max(self.written[r.slot], self.lengths[r.slot])
+        if self.tp is not None:
+            self.tp.broadcast(("forward", list(rows)))
+        hidden, width = self._hidden_rows(rows)
         # Only the wanted rows go through the LM head (on a CPU the head is a large part of a step).
         picks = [b * width + len(r.ids) - r.num_logits + j for b, r in enumerate(rows) for j in range(r.num_logits)]
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -263,6 +256,42 @@ class KVPool:
             out.append((logits[at:at + n], states[at:at + n] if r.want_hidden else None))
             at += n
         return out
+
+    def _hidden_rows(self, rows: Sequence[PoolRow]) -> tuple[torch.Tensor, int]:
+        """The rows' hidden states (replayed from a CUDA graph where one fits) and the width they
+        are padded to; advances each slot's length."""
+        width, span = max(len(r.ids) for r in rows), self.span(rows)
+        replayed = None
+        if self.graphs is not None and all(r.mask is None for r in rows):
+            replayed = self.graphs.run(rows, width, span)
+        if replayed is not None:
+            hidden, width = replayed
+        else:
+            hidden = self.hidden(self.inputs(rows, len(rows), width, span))
+        for r in rows:
+            self.lengths[r.slot] = r.start + len(r.ids)
+            self.written[r.slot] = max(self.written[r.slot], self.lengths[r.slot])
+        return hidden, width
+
+    @torch.inference_mode()
+    def follow(self, rows: Sequence[PoolRow]) -> None:
+        """A tensor-parallel rank other than 0: the forward rank 0 broadcast, over this rank's
+        heads (its slots' lengths are rank 0's; the LM head is rank 0's alone)."""
+        for r in rows:
+            self.lengths[r.slot] = r.start
+        self._hidden_rows(rows)
+
+    @torch.inference_mode()
+    def keep_path(self, slot: int, base: int, nodes: list[int]) -> None:
+        """After a tree forward whose nodes start at column `base` of a slot: move the kept nodes'
+        keys and values to base, base + 1, ... (PoolSession.keep_path)."""
+        if self.tp is not None:
+            self.tp.broadcast(("keep_path", slot, base, nodes))
+        if nodes != list(range(len(nodes))):
+            src = torch.tensor(nodes, device=self.device) + base
+            for t in (self.k, self.v):
+                t[:, slot, :, base:base + len(nodes)] = t[:, slot].index_select(2, src)
+        self.lengths[slot] = min(self.lengths[slot], base + len(nodes))
 
     def span(self, rows: Sequence[PoolRow]) -> int:
         """Key columns a forward must read: up to the furthest position any row writes."""
@@ -475,13 +504,8 @@ class PoolSession:
         additive, positions = tree_mask(tree, self.length, pending, torch.float32, self.device)
         return PoolRow(self.slot, self.length, list(ids), len(tree) + 1, False, additive[0, 0] == 0, positions[0])
 
-    @torch.inference_mode()
     def keep_path(self, base: int, nodes: list[int]) -> None:
-        if nodes != list(range(len(nodes))):
-            src = torch.tensor(nodes, device=self.device) + base
-            for t in (self.pool.k, self.pool.v):
-                t[:, self.slot, :, base:base + len(nodes)] = t[:, self.slot].index_select(2, src)
-        self.rollback(base + len(nodes))
+        self.pool.keep_path(self.slot, base, nodes)
 
     def rollback(self, length: int) -> None:
         if length < self.length:
