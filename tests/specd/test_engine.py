@@ -3,6 +3,8 @@ every policy x drafter, exact EOS / max_new_tokens / stop-string handling, share
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import replace
 
 import pytest
@@ -285,18 +287,26 @@ def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_d
 
 class WrongDrafter(Drafter):
     """A deliberately bad drafter that is sure of itself: q(x) = 1 for a token the tiny target
-    almost never picks."""
+    almost never picks. It takes `seconds` a token, as the cost curve says: cost-aware also times
+    real rounds, and a drafter that claimed a cost it does not have would be judged on its speed."""
 
     kind = "wrong"
     has_distribution = False
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds = seconds
 
     @property
     def name(self) -> str:
         return "wrong"
 
     def open(self, vocab_size: int | None = None) -> DraftSession:
+        seconds = self.seconds
+
         class Session(DraftSession):
             def next(self, seq, params, generator, want_hidden):
+                if seconds:
+                    time.sleep(seconds)
                 return DraftToken((seq[-1] * 7 + 3) % 97, None, 1.0, 1.0, 0.0)
 
             def rollback(self, length: int) -> None:
@@ -315,7 +325,7 @@ def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_reques
     (so the prior believes it). Within the one request cost-aware learns it: after a few windows
     it drafts none (plain steps) or at most one token, and the output is the target alone's."""
     curve = CostCurve(t_draft, list(range(1, 18)), [0.01 * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
-    engine = SpeculativeEngine(tiny_target, WrongDrafter(), costs=curve)
+    engine = SpeculativeEngine(tiny_target, WrongDrafter(t_draft), costs=curve)
     out = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=48), SpecParams("cost-aware"))
     assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[1], 48)
     lengths = out.stats.draft_lengths  # of the rounds that drafted; the others were plain steps
