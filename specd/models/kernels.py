@@ -10,6 +10,11 @@ Outputs differ from MKL's in the last bits (at most 3e-6 with random weights of 
 MKL's own matrix-vector and matrix-matrix paths differ from each other; greedy identity with
 target-alone decoding is checked end to end, as before.
 
+One row is the exception where MKL's matrix-vector product streams the weight faster than the
+blocked kernel (a decoding step on an Intel Xeon; not on the AMD EPYC the packing was first
+measured on): `auto` times both on the model's own layers at load time and, where MKL's is
+faster, runs single rows through it (`PackedLinear._gemv`). Windows keep the packed kernel.
+
 The pack is a second copy of each weight (the original stays: tied embeddings, the drafters'
 reduced heads and training read it). A weight changed in place is packed again on its next
 call. With gradients enabled (training through frozen layers) the layer runs the default
@@ -17,6 +22,8 @@ kernel, which has a backward.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +44,7 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: torch.Tensor
     _packed_from: tuple[int, int] | None  # (id, version) of the weight the pack was made from
+    _gemv: bool = False  # a single row runs F.linear (MKL's matrix-vector product), measured faster
 
     def __getstate__(self):  # copies and pickles leave the opaque pack out; it is rebuilt on use
         state = self.__dict__.copy()
@@ -51,6 +59,8 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if self._gemv and x.numel() == x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         if self._packed_from != _stamp(self.weight):
             self._repack()
@@ -92,7 +102,48 @@ def use_kernels(model: torch.nn.Module, kernels: str = "auto") -> str:
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and not isinstance(m, PackedLinear):
             pack_linear(m)
+    gemv = kernels == "auto" and single_rows_faster_unpacked(model)
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m._gemv = gemv
     return "onednn"
+
+
+# Below this many linear weights (a test's tiny model) a matrix-vector product costs microseconds
+# either way: every row count keeps the packed kernel.
+GEMV_MIN_WEIGHTS = 16_000_000
+# Single rows switch to MKL only when it is this much faster: where the two are close, every
+# process on a machine makes the same choice (a service and its client compare outputs).
+GEMV_MARGIN = 0.85
+
+
+@torch.inference_mode()
+def single_rows_faster_unpacked(model: torch.nn.Module, layers: int = 6, repeats: int = 5) -> bool:
+    """Whether one row through F.linear (MKL's matrix-vector product) beats the packed oneDNN
+    kernel on this model's own linears on this machine: the first `layers` decoder layers'
+    linears, each called once per pass as a decoding step does, best of `repeats` passes."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if sum(m.weight.numel() for m in linears) < GEMV_MIN_WEIGHTS:
+        return False
+    per_layer = max(1, len(linears) // max(1, getattr(model.config, "num_hidden_layers", 1)))
+    sample = linears[:layers * per_layer]
+    inputs = [torch.randn(1, m.in_features) for m in sample]
+
+    def packed() -> None:
+        for m, x in zip(sample, inputs):
+            torch.ops.mkldnn._linear_pointwise(x, m._packed, m.bias, "none", [], "")
+
+    def unpacked() -> None:
+        for m, x in zip(sample, inputs):
+            F.linear(x, m.weight, m.bias)
+
+    best = {packed: float("inf"), unpacked: float("inf")}
+    for _ in range(repeats):
+        for fn in best:
+            t0 = time.perf_counter()
+            fn()
+            best[fn] = min(best[fn], time.perf_counter() - t0)
+    return best[unpacked] < GEMV_MARGIN * best[packed]
 
 
 def kernels_of(model: torch.nn.Module) -> str:

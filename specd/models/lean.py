@@ -137,12 +137,21 @@ def supports(model: torch.nn.Module) -> bool:
 
 def _fused(layers: list[torch.nn.Linear]):
     """One product whose output is the given linears' outputs side by side. With oneDNN
-    kernels only the packed copy is kept (the lean forward runs in inference mode only)."""
+    kernels only the packed copy is kept (the lean forward runs in inference mode only); where
+    single rows run unpacked (PackedLinear._gemv), a row goes through each linear's own weight."""
     weight = torch.cat([m.weight.detach() for m in layers], dim=0)
     if (isinstance(layers[0], PackedLinear) and onednn_available() and weight.dtype == torch.float32
             and weight.device.type == "cpu"):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if not layers[0]._gemv:
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        parts = [m.weight.detach() for m in layers]
+
+        def fused(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() == x.shape[-1]:  # one row: MKL's matrix-vector products, measured faster here
+                return torch.cat([F.linear(x, w) for w in parts], dim=-1)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return fused
     return lambda x: F.linear(x, weight)
 
 

@@ -103,3 +103,25 @@ def test_load_model_packs_by_default(tiny_dirs):
 def test_the_suites_tiny_models_run_the_packed_kernels(tiny_target, tiny_draft):
     """Every lossless engine test on the tiny pair then checks the kernels production runs."""
     assert kernels_of(tiny_target.model) == "onednn" and kernels_of(tiny_draft.model) == "onednn"
+
+
+def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed():
+    """PackedLinear._gemv: one row through F.linear (MKL's matrix-vector product) exactly, two or
+    more through the packed kernel; `auto` leaves a model this small packed for every row."""
+    import torch.nn.functional as F
+
+    from specd.models.kernels import PackedLinear, pack_linear, single_rows_faster_unpacked
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=False)
+    pack_linear(layer)
+    assert isinstance(layer, PackedLinear) and not layer._gemv
+    assert not single_rows_faster_unpacked(torch.nn.Sequential(layer))  # a tiny model: no timing at all
+    row, rows = torch.randn(1, 64), torch.randn(3, 64)
+    with torch.inference_mode():
+        packed_rows = layer(rows)
+        layer._gemv = True
+        assert torch.equal(layer(row), F.linear(row, layer.weight))
+        assert torch.equal(layer(rows), packed_rows)  # a window keeps the packed kernel
+        torch.testing.assert_close(layer(row), torch.ops.mkldnn._linear_pointwise(row, layer._packed, None, "none",
+                                                                                   [], ""))
