@@ -37,7 +37,7 @@ class TensorParallel:
         """The process's place in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK), or None."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return None
-        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
 
     @property
     def leader(self) -> bool:
