@@ -149,5 +149,9 @@ def single_rows_faster_unpacked(model: torch.nn.Module, layers: int = 6, repeats
 
 
 def kernels_of(model: torch.nn.Module) -> str:
-    """Which linear kernels a model runs: onednn if any layer is packed, else torch."""
-    return "onednn" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
+    """Which linear kernels a model runs: onednn if its layers are packed ("onednn+gemv" where
+    single rows run unpacked), else torch."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        return "torch"
+    return "onednn+gemv" if packed[0]._gemv else "onednn"

@@ -110,7 +110,7 @@ def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed(
     more through the packed kernel; `auto` leaves a model this small packed for every row."""
     import torch.nn.functional as F
 
-    from specd.models.kernels import PackedLinear, pack_linear, single_rows_faster_unpacked
+    from specd.models.kernels import PackedLinear, kernels_of, pack_linear, single_rows_faster_unpacked
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48, bias=False)
@@ -121,6 +121,7 @@ def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed(
     with torch.inference_mode():
         packed_rows = layer(rows)
         layer._gemv = True
+        assert kernels_of(torch.nn.Sequential(layer)) == "onednn+gemv"  # keys cached cost curves apart
         assert torch.equal(layer(row), F.linear(row, layer.weight))
         assert torch.equal(layer(rows), packed_rows)  # a window keeps the packed kernel
         torch.testing.assert_close(layer(row), torch.ops.mkldnn._linear_pointwise(row, layer._packed, None, "none",
