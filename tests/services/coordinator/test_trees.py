@@ -138,3 +138,18 @@ def test_a_malformed_tree_is_refused_naming_the_field(chat_pair, target_service,
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.details()
+
+
+def test_unseeded_sampling_verifies_the_hybrid_tree_with_the_chain_q(targets, hybrid_service):
+    """Unseeded sampling sends the model chain's distributions beside the tree's point-mass side
+    nodes; the target judges the chain with its q first (specd.tree.verify_tree_sampling, whose
+    distribution the engine's statistical test checks). Here: the plumbing, end to end."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40)
+    trees = 0
+    for prompt in PROMPTS:
+        request = GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant"))
+        ids, finish = generate(targets["pool"].address, hybrid_service.address, request)
+        assert len(ids) == 40 or finish.finish_reason == "stop"
+        assert not finish.spec_stats["fallback"]
+        trees += finish.spec_stats["tree_rounds"]
+    assert trees > 0
