@@ -8,7 +8,7 @@ right), so the hybrid keeps both: the policy drafts the model's chain as usual, 
 drafter's own proposal (the continuation it would have drafted alone), then its alternatives,
 become side branches.
 Verification walks down whichever the target agrees with. The engine sizes the side branches
-by what they have added so far against the cost curve (`_tree_budget`), so a steep
+by what they have added so far against the cost curve (`TreePlanner.budget`), so a steep
 verification cost keeps them short.
 
 The model chain keeps its q: unseeded sampling verifies its node with the chain's rule and
