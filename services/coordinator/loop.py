@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 # How a request came to finish with the target alone: no draft service at the start, its
 # session broke mid-request, or it drafted nothing for draft_stall_s.
 FALLBACK_KINDS = ("unavailable", "failed", "stalled")
+# What grpc.aio marks a call with when one of its operations fails in the core (a write after the
+# service ended the call); the service's own status replaces it within moments.
+CORE_ERROR = "Internal error from Core"
+CORE_ERROR_WAITS = 100  # 10 ms each
 
 
 @dataclass
@@ -223,7 +227,11 @@ class RequestLoop:
                 self.events.put_nowait((source, msg))
             self.events.put_nowait((f"{source}_error", Unavailable(f"{source} service ended the session")))
         except grpc.aio.AioRpcError as e:
-            self.events.put_nowait((f"{source}_error", from_rpc_error(e, source)))
+            if source == "target" and e.code() == grpc.StatusCode.INTERNAL and e.details() == CORE_ERROR:
+                error = await self._target_ended()  # a write raced the call's end: the service's status
+            else:
+                error = from_rpc_error(e, source)
+            self.events.put_nowait((f"{source}_error", error))
         except asyncio.CancelledError:
             pass
 
@@ -231,15 +239,25 @@ class RequestLoop:
         try:
             await self.target_call.write(msg)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INTERNAL and e.details() == CORE_ERROR:
+                raise await self._target_ended() from None  # a write raced the call's end
             raise from_rpc_error(e, "target") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError):
             # The call has ended (a refused session: every KV slot taken): its status says why.
             raise await self._target_ended() from None
 
     async def _target_ended(self) -> Exception:
+        """The error the target ended the session with. A write that raced the end fails in
+        gRPC's core and marks the call INTERNAL at once; the status the service sent (a refused
+        session's RESOURCE_EXHAUSTED) replaces that when it arrives, so it is waited for."""
         try:
             code = await asyncio.wait_for(self.target_call.code(), 5.0)
             details = await self.target_call.details()
+            for _ in range(CORE_ERROR_WAITS):
+                if code != grpc.StatusCode.INTERNAL or details != CORE_ERROR:
+                    break
+                await asyncio.sleep(0.01)
+                code, details = await self.target_call.code(), await self.target_call.details()
         except (TimeoutError, grpc.aio.AioRpcError) as e:
             return Unavailable(f"target service: the session ended ({type(e).__name__})")
         return status_error(code, details or "", "target")

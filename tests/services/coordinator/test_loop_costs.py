@@ -60,3 +60,31 @@ def test_round_overhead_counts_each_measured_round_once():
     assert coordinator.round_overhead.value == pytest.approx(singles.value)
     Coordinator._follow_costs(coordinator, finished(0.5, 0))  # no round measured: nothing moves
     assert coordinator.round_overhead.value == pytest.approx(singles.value)
+
+
+def test_a_write_that_raced_a_refusal_reports_the_refusal():
+    """grpc.aio marks a call INTERNAL ("Internal error from Core") the moment a write fails because
+    the service already ended it, then replaces that with the service's own status when it arrives.
+    A refused session must surface as Overloaded (the gateway's 503 with Retry-After), not as an
+    internal error: make test once saw the race."""
+    import asyncio
+
+    import grpc
+
+    from services.coordinator.loop import CORE_ERROR
+    from specd.errors import Overloaded
+
+    class RacingCall:  # the call's status as grpc.aio reports it: the core's first, the service's later
+        def __init__(self):
+            self.asked = 0
+
+        async def code(self):
+            self.asked += 1
+            return grpc.StatusCode.INTERNAL if self.asked < 3 else grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        async def details(self):
+            return CORE_ERROR if self.asked < 3 else "all 1 KV slots are in use"
+
+    loop = _loop()
+    loop.target_call = RacingCall()
+    assert isinstance(asyncio.run(loop._target_ended()), Overloaded)
