@@ -248,19 +248,26 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, sampling: SamplingParams,
     return verify_tree_sampling(p, tree, generator, chain_q)
 
 
+def check_branches(requested: int | None, kind: str, branch_length: int) -> None:
+    """InvalidRequest naming `branches` for side branches out of range or asked of a drafter
+    (`kind`, proposing alternatives of up to `branch_length` tokens) that proposes none."""
+    if requested is not None and not 0 <= requested <= MAX_BRANCHES:
+        raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {requested}")
+    if requested and not branch_length:
+        raise InvalidRequest("branches", f"the {kind} drafter proposes no alternatives; "
+                                         "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
+
+
 def tree_shape(requested: int | None, drafter, policy: str, relaxed: bool) -> tuple[int, int]:
     """(side branches per round, new nodes per branch) for a request: `requested` side branches
     (None: the drafter's default); (0, 0) verifies chains only. InvalidRequest for branches a
     drafter cannot propose. The oracle's chain is right by construction; relaxed verification
     and the target's features (a feature drafter) are defined for chains."""
-    if requested is not None and not 0 <= requested <= MAX_BRANCHES:
-        raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {requested}")
     if drafter is None:
+        check_branches(requested, "-", 1)
         return 0, 0
     branches = drafter.branches if requested is None else requested
-    if branches and not drafter.branch_length:
-        raise InvalidRequest("branches", f"the {drafter.kind} drafter proposes no alternatives; "
-                                         "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
+    check_branches(branches, drafter.kind, drafter.branch_length)
     if policy == "oracle" or relaxed or drafter.needs_target_features:
         return 0, 0
     return branches, drafter.branch_length

@@ -52,6 +52,7 @@ from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
 from specd.policies import NO_SPECULATION, check_drafter, check_spec
 from specd.state import StateKey
+from specd.tree import check_branches
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class Coordinator:
                 fallback_reason = str(draft)
             else:
                 check_drafter(request.spec, draft.name, draft.has_distribution)
+                check_branches(request.spec.branches, draft.kind, draft.branch_length)
                 draft_stub = self.draft_stub
                 cfg = await self._with_draft(cfg, draft, request.overlap)
         loop = RequestLoop(cfg, self.target_stub, draft_stub)

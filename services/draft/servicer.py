@@ -93,7 +93,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                    top_logprobs=TOP_K if learning else 0,
                                    adapter_version=self.drafter.lora_version if learning else 0,
                                    needs_features=self.drafter.needs_target_features,
-                                   branches=0 if learning else self.branches)
+                                   branches=0 if learning else self.branches,
+                                   branch_length=self.drafter.branch_length)
 
     async def Session(self, requests, context: grpc.aio.ServicerContext):
         first = await anext(aiter(requests), None)

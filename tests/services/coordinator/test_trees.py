@@ -153,3 +153,15 @@ def test_unseeded_sampling_verifies_the_hybrid_tree_with_the_chain_q(targets, hy
         assert not finish.spec_stats["fallback"]
         trees += finish.spec_stats["tree_rounds"]
     assert trees > 0
+
+
+def test_trees_asked_of_a_drafter_without_alternatives_are_a_bad_request(chat_pair, target_service, hf_draft_service):
+    """A request's branches reach a model drafter that proposes no alternatives: InvalidRequest
+    naming the field before any work (the gateway's 400), not a silent fallback to the target."""
+    from specd.errors import InvalidRequest
+
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=8),
+                              spec=SpecParams("constant", branches=2))
+    with pytest.raises(InvalidRequest) as e:
+        generate(target_service.address, hf_draft_service.address, request)
+    assert e.value.field == "branches"

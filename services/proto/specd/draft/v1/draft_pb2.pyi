@@ -22,7 +22,7 @@ STOP_REASON_NO_PROPOSAL: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version", "needs_features", "branches")
+    __slots__ = ("model", "kind", "name", "has_distribution", "policies", "top_logprobs", "adapter_version", "needs_features", "branches", "branch_length")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class DraftInfo(_message.Message):
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: str
     name: str
@@ -41,7 +42,8 @@ class DraftInfo(_message.Message):
     adapter_version: int
     needs_features: bool
     branches: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ..., needs_features: _Optional[bool] = ..., branches: _Optional[int] = ...) -> None: ...
+    branch_length: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., has_distribution: _Optional[bool] = ..., policies: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., adapter_version: _Optional[int] = ..., needs_features: _Optional[bool] = ..., branches: _Optional[int] = ..., branch_length: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "commit", "close")
