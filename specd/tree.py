@@ -36,7 +36,7 @@ import torch
 
 from specd.errors import InvalidRequest
 from specd.sampling import logits_to_probs, race_scores, sample
-from specd.types import MAX_BRANCHES, SamplingParams
+from specd.types import SamplingParams, check_branch_count
 
 TREE_BRANCHES = 3  # what `specd bench --trees` runs
 TREE_MAX_FED = 64  # committed tokens fed with a tree (a longer prefill verifies a chain)
@@ -251,8 +251,7 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, sampling: SamplingParams,
 def check_branches(requested: int | None, kind: str, branch_length: int) -> None:
     """InvalidRequest naming `branches` for side branches out of range or asked of a drafter
     (`kind`, proposing alternatives of up to `branch_length` tokens) that proposes none."""
-    if requested is not None and not 0 <= requested <= MAX_BRANCHES:
-        raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {requested}")
+    check_branch_count(requested)
     if requested and not branch_length:
         raise InvalidRequest("branches", f"the {kind} drafter proposes no alternatives; "
                                          "draft trees need a lookup drafter (ngram, retrieval, hybrid)")
@@ -264,7 +263,7 @@ def tree_shape(requested: int | None, drafter, policy: str, relaxed: bool) -> tu
     drafter cannot propose. The oracle's chain is right by construction; relaxed verification
     and the target's features (a feature drafter) are defined for chains."""
     if drafter is None:
-        check_branches(requested, "-", 1)
+        check_branch_count(requested)
         return 0, 0
     branches = drafter.branches if requested is None else requested
     check_branches(branches, drafter.kind, drafter.branch_length)

@@ -43,6 +43,12 @@ def check_text(field_name: str, text: str) -> None:
         raise InvalidRequest(field_name, f"is not valid Unicode: a lone surrogate at character {e.start}") from None
 
 
+def check_branch_count(branches: int | None) -> None:
+    """InvalidRequest naming `branches` for side branches of a draft tree out of [0, MAX_BRANCHES]."""
+    if branches is not None and not 0 <= branches <= MAX_BRANCHES:
+        raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {branches}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
@@ -123,8 +129,7 @@ class SpecParams:
                 raise InvalidRequest("policy_params", f"parameter names have 1 to {MAX_NAME_CHARS} characters")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise InvalidRequest(f"policy_params.{name}", f"must be a finite number, got {value!r}")
-        if self.branches is not None and not 0 <= self.branches <= MAX_BRANCHES:
-            raise InvalidRequest("branches", f"must be in [0, {MAX_BRANCHES}], got {self.branches}")
+        check_branch_count(self.branches)
 
 
 @dataclass(frozen=True, slots=True)

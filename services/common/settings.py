@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from specd.types import MAX_BRANCHES
+
 
 class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
@@ -89,7 +91,7 @@ class DraftSettings(ModelSettings, EarlyExitFields):
                                      "early-exit (the target's first layers), hf, feature (an EAGLE-style "
                                      "head on the target's hidden states; draft_adapter: the head), or hybrid "
                                      "(early-exit's chain with retrieval's proposals beside it as a draft tree)")
-    branches: int | None = Field(None, ge=0, le=16,
+    branches: int | None = Field(None, ge=0, le=MAX_BRANCHES,
                                  description="side branches verified beside each window's chain as a draft tree "
                                              "(ngram, retrieval, hybrid); a request's own value wins; default: the "
                                              "drafter's (hybrid 2, the others 0: chains)")

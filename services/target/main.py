@@ -33,6 +33,7 @@ def load_target(s: TargetSettings):
     import torch
 
     from specd.models import load_model
+    from specd.models.loading import resolve_device
     from specd.models.tp import TensorParallel
 
     tp = TensorParallel.from_env() if s.tensor_parallel > 1 else None
@@ -43,7 +44,7 @@ def load_target(s: TargetSettings):
     if tp is not None:
         if s.kv_slots == 0:
             raise InvalidRequest("kv_slots", "a tensor-parallel target runs over a KV pool; set kv_slots > 0")
-        tp.init(torch.device("cuda" if s.device != "cpu" and torch.cuda.is_available() else "cpu"))
+        tp.init(resolve_device(s.device))
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off",
                         tensor_parallel=tp)
     use_pool(target, s, graphs_allowed=tp is None)

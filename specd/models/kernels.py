@@ -60,11 +60,16 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self._gemv and x.numel() == x.shape[-1]:
+        if self._gemv and single_row(x):
             return F.linear(x, self.weight, self.bias)
         if self._packed_from != _stamp(self.weight):
             self._repack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def single_row(x: torch.Tensor) -> bool:
+    """One row of inputs (a decoding step), which `_gemv` layers run through F.linear."""
+    return x.numel() == x.shape[-1]
 
 
 def _stamp(w: torch.Tensor) -> tuple[int, int]:
