@@ -41,7 +41,8 @@ def _load_model(args, spec: str):
     from specd.models import load_model
 
     return load_model(spec, args.device, args.dtype, args.cache_dir, getattr(args, "linear_kernels", "auto"),
-                      getattr(args, "forward", "auto"), getattr(args, "cuda_graphs", "auto"))
+                      getattr(args, "forward", "auto"), getattr(args, "cuda_graphs", "auto"),
+                      cpu_compile=getattr(args, "cpu_compile", "auto"))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +75,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: on a CUDA device, run the target from a preallocated KV pool with each "
                         "forward shape captured in a CUDA graph on first use (docs/engine.md); off: "
                         "eager forwards over growing caches")
-    p.add_argument("--cache-dir", type=Path, help="where dequantized weights are kept "
+    p.add_argument("--cpu-compile", default="auto", choices=["auto", "on", "off"],
+                   help="auto: for a float32 model of 16M+ weights on the CPU, run the target from a "
+                        "preallocated KV pool whose forwards are compiled ahead of time (AOTInductor; "
+                        "the first run compiles for about a minute, later runs load it from the cache "
+                        "directory: docs/engine.md); off: eager forwards")
+    p.add_argument("--cache-dir", type=Path, help="where dequantized weights and compiled forwards are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
 
 
@@ -472,7 +478,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees, args.forward, args.offset, args.cuda_graphs, args.cold_start)
+        args.trees, args.forward, args.offset, args.cuda_graphs, args.cold_start, args.cpu_compile)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

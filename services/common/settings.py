@@ -170,6 +170,10 @@ class TargetSettings(ModelSettings):
     cuda_graphs: str = Field("auto", pattern="^(auto|on|off)$",
                              description="capture the pool's forwards in CUDA graphs at start-up (auto: on a "
                                          "CUDA device with a KV pool; not with tensor_parallel)")
+    cpu_compile: str = Field("auto", pattern="^(auto|on|off)$",
+                             description="compile the pool's forwards ahead of time on the CPU (AOTInductor; "
+                                         "auto: a float32 model of 16M+ weights with a KV pool, not with "
+                                         "tensor_parallel; the first start compiles, later ones load)")
     tensor_parallel: int = Field(1, ge=1, le=64,
                                  description="shard every layer's heads and MLP columns over this many processes "
                                              "(one GPU each, or CPU processes over gloo), started by the command "

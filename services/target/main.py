@@ -66,7 +66,8 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
         log.warning("target %s: no KV pool (the lean forward does not support this model)", target.name)
         return
     graphs = graphs_allowed and (s.cuda_graphs == "on" or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
-    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs)
+    compiled = "off" if graphs or not graphs_allowed else s.cpu_compile
+    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir)
     log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
     if pool.graphs is not None:

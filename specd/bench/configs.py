@@ -52,6 +52,7 @@ class BenchSettings:
     # Every run starts as a fresh `specd generate` would: empty policy state and the start-up
     # cost curve, so nothing learned on earlier prompts helps (or hurts) this one.
     cold_start: bool = False
+    cpu_compile: str = "auto"  # auto | on | off (specd/models/aot.py)
 
     @property
     def greedy(self) -> bool:

@@ -29,9 +29,15 @@ def machine_info(target) -> dict:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
-            "linear_kernels": kernels_of(target.model), "forward": target.forward_kind(),
+            "linear_kernels": kernels_of(target.model), "forward": forward_label(target),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
+
+
+def forward_label(target) -> str:
+    """lean or hf, and how a pooled target runs it: compiled ahead of time, or in CUDA graphs."""
+    runner = type(target.pool.graphs).__name__ if target.pool is not None and target.pool.graphs else ""
+    return target.forward_kind() + {"AotRunner": " (compiled)", "GraphRunner": " (CUDA graphs)"}.get(runner, "")
 
 
 def results_doc(run, oracle: dict) -> dict:

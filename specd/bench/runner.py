@@ -38,7 +38,8 @@ class Models:
 def load_models(s: BenchSettings) -> Models:
     from specd.models import load_model
 
-    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, s.cuda_graphs)
+    target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, s.cuda_graphs,
+                        cpu_compile=s.cpu_compile)
     draft_model = (load_model(s.draft_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward,
                               s.cuda_graphs)
                    if s.draft_model else None)

@@ -69,6 +69,10 @@ class GraphRunner:
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
         pool.graphs = self
 
+    def invalidate(self) -> None:
+        """Drop the captured graphs (they hold the addresses of weights since replaced)."""
+        self.graphs.clear()
+
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does."""
         return pick_bucket((self.batches, self.widths, self.spans), (batch, width, span))

@@ -58,7 +58,8 @@ class PackedLinear(torch.nn.Linear):
         self._packed_from = _stamp(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dtype != torch.float32
+                or x.device.type != "cpu"):  # traced for compilation (specd.models.aot): the plain product
             return F.linear(x, self.weight, self.bias)
         if self._gemv and single_row(x):
             return F.linear(x, self.weight, self.bias)

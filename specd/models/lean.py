@@ -138,21 +138,24 @@ def supports(model: torch.nn.Module) -> bool:
 def _fused(layers: list[torch.nn.Linear]):
     """One product whose output is the given linears' outputs side by side. With oneDNN
     kernels only the packed copy is kept (the lean forward runs in inference mode only); where
-    single rows run unpacked (PackedLinear._gemv), a row goes through each linear's own weight."""
-    weight = torch.cat([m.weight.detach() for m in layers], dim=0)
-    if (isinstance(layers[0], PackedLinear) and onednn_available() and weight.dtype == torch.float32
-            and weight.device.type == "cpu"):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        if not layers[0]._gemv:
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        parts = [m.weight.detach() for m in layers]
+    single rows run unpacked (PackedLinear._gemv), and when the forward is traced for
+    compilation (specd.models.aot), rows go through each linear's own weight."""
+    parts = [m.weight.detach() for m in layers]
+
+    def separate(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.linear(x, w) for w in parts], dim=-1)
+    if (isinstance(layers[0], PackedLinear) and onednn_available() and parts[0].dtype == torch.float32
+            and parts[0].device.type == "cpu"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(parts, dim=0), None)
+        gemv = layers[0]._gemv
 
         def fused(x: torch.Tensor) -> torch.Tensor:
-            if single_row(x):  # MKL's matrix-vector products, measured faster here
-                return torch.cat([F.linear(x, w) for w in parts], dim=-1)
+            if torch.compiler.is_compiling() or (gemv and single_row(x)):  # MKL's products, measured faster for one row
+                return separate(x)
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return fused
-    return lambda x: F.linear(x, weight)
+    weight = torch.cat(parts, dim=0)
+    return lambda x: separate(x) if torch.compiler.is_compiling() else F.linear(x, weight)
 
 
 class LeanLlama:

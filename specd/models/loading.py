@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from specd.errors import InvalidRequest, ModelError
-from specd.models.embedded import EMBEDDED_NAME, embedded_dir
-from specd.models.kernels import check_kernels, use_kernels
+from specd.models.aot import check_cpu_compile, use_compiled
+from specd.models.embedded import EMBEDDED_NAME, default_cache_dir, embedded_dir
+from specd.models.kernels import GEMV_MIN_WEIGHTS, check_kernels, use_kernels
 from specd.models.lean import LeanLlama, check_forward, choose_forward, supports
 from specd.models.pool import KVPool, PoolSession
 from specd.models.session import KVSession, hf_forward
@@ -45,14 +46,20 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
-    def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False) -> KVPool:
+    def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False,
+                 compiled: str = "off", cache_dir: Path | None = None) -> KVPool:
         """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
         `max_len` positions (default the model's context), with forwards captured in CUDA
-        graphs when `graphs` (a CUDA model only). Needs a model the lean forward supports."""
+        graphs when `graphs` (a CUDA model only), or compiled ahead of time for the CPU when
+        `compiled` is on (auto: where the model is large enough to gain, specd.models.aot).
+        Needs a model the lean forward supports."""
         if not supports(self.model):
             raise InvalidRequest("kv_slots", "a KV pool needs a plain Llama model on one device")
         if graphs and self.device.type != "cuda":
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
+        check_cpu_compile(compiled)
+        if compiled == "on" and not cpu_compilable(self.model, self.device):
+            raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
         if self._lean is None:
             self._lean = LeanLlama(self.model)
         self.pool = KVPool(self._lean, slots, min(max_len or self.max_context, self.max_context))
@@ -61,6 +68,8 @@ class LoadedModel:
             from specd.models.graphs import GraphRunner
 
             GraphRunner(self.pool)
+        elif compiled == "on" or (compiled == "auto" and compile_pays(self.model, self.device)):
+            use_compiled(self.pool, cache_dir or default_cache_dir(), required=compiled == "on")
         return self.pool
 
     def session(self) -> KVSession | PoolSession:
@@ -152,7 +161,7 @@ def pool_length(config, dtype: torch.dtype, slots: int, context: int, free_bytes
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None,
                linear_kernels: str = "auto", forward: str = "auto", cuda_graphs: str = "auto",
-               tensor_parallel=None) -> LoadedModel:
+               tensor_parallel=None, cpu_compile: str = "off") -> LoadedModel:
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
@@ -161,7 +170,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     the lean Llama forward on the CPU). cuda_graphs: auto | on | off (auto: on a CUDA device,
     for a model the lean forward supports, sessions open in a KV pool whose forwards are
     captured in CUDA graphs on first use, specd/models/graphs.py). tensor_parallel: this
-    process's specd.models.tp.TensorParallel (its share of every layer, on its own GPU)."""
+    process's specd.models.tp.TensorParallel (its share of every layer, on its own GPU).
+    cpu_compile: auto | on | off (auto: a float32 model the lean forward supports, on the CPU,
+    of at least GEMV_MIN_WEIGHTS weights, opens sessions in a KV pool whose forwards are
+    compiled ahead of time, specd/models/aot.py; the first load compiles, later ones load)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -175,6 +187,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     check_forward(forward)
     if cuda_graphs not in GRAPH_MODES:
         raise InvalidRequest("cuda_graphs", f"unknown mode {cuda_graphs!r} ({', '.join(GRAPH_MODES)})")
+    check_cpu_compile(cpu_compile)
     name = model_name(spec)
     if spec in EMBEDDED_ALIASES:
         path = embedded_dir(cache_dir)
@@ -213,7 +226,26 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
             loaded.use_pool(GRAPH_SLOTS, length, graphs=True)  # on a CPU: a clear error, graphs need CUDA
         elif cuda_graphs == "on":
             raise InvalidRequest("cuda_graphs", "too little free device memory for a KV pool")
+    elif ((cpu_compile == "on" or (cpu_compile == "auto" and compile_pays(model, dev))) and tensor_parallel is None
+          and device != SHARD and loaded.forward_kind() == "lean"):
+        loaded.use_pool(GRAPH_SLOTS, loaded.max_context, compiled=cpu_compile, cache_dir=cache_dir)
+    elif cpu_compile == "on":
+        raise InvalidRequest("cpu_compile", "compiled forwards need the lean forward on one device, "
+                                            "without tensor parallelism")
     return loaded
+
+
+def cpu_compilable(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a pool of this model can run compiled CPU forwards: float32 on the CPU."""
+    weight = model.get_input_embeddings().weight
+    return device.type == "cpu" and weight.dtype == torch.float32
+
+
+def compile_pays(model: torch.nn.Module, device: torch.device) -> bool:
+    """cpu_compile auto's rule: a float32 CPU model of at least GEMV_MIN_WEIGHTS weights (a
+    test's tiny model gains microseconds and would pay a compilation)."""
+    return (cpu_compilable(model, device) and supports(model)
+            and sum(p.numel() for p in model.parameters()) >= GEMV_MIN_WEIGHTS)
 
 
 def model_name(spec: str) -> str:

@@ -166,7 +166,9 @@ class KVPool:
         self._lock = threading.Lock()
         self.lengths = [0] * slots
         self.written = [0] * slots  # each slot's high-water mark: the positions whose pages are mapped
-        self.graphs = None  # a specd.models.graphs.GraphRunner, when forwards are captured
+        # a specd.models.graphs.GraphRunner when forwards are captured in CUDA graphs, a
+        # specd.models.aot.AotRunner when they are compiled for the CPU
+        self.graphs = None
         self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
 
     # slots ---------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class KVPool:
         fused = self.lean._fused_from
         self.lean._refresh()  # weights trained in place since (an early-exit adapter layer): fuse anew
         if self.lean._fused_from is not fused and self.graphs is not None:
-            self.graphs.graphs.clear()  # captured with the old fused weights' addresses
+            self.graphs.invalidate()  # captured or compiled with the old weights' addresses
         return PoolSession(self)
 
     # forwards ------------------------------------------------------------------------------
@@ -359,9 +361,12 @@ class KVPool:
         return tuple((torch.tensor(g, device=self.device), max(spans[b] for b in g),
                       rows[g[0]].slot if len(g) == 1 else None) for g in groups)
 
-    def hidden(self, x: StepInputs) -> torch.Tensor:
+    def hidden(self, x: StepInputs, ks: Sequence[torch.Tensor] | None = None,
+               vs: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
         shape is fixed by x, and nothing here reads a tensor back to the host (capturable).
+        ks, vs: each layer's keys and values (default the pool's own; a compiled forward takes
+        them as inputs, specd.models.aot).
 
         Rows of unequal length (x.packed) run packed: the projections and the MLP, nearly all of
         a step's arithmetic, see only the real tokens, one after another; only the attention
@@ -369,6 +374,7 @@ class KVPool:
         own tokens, not the window's width for every row."""
         if self.fused:
             return self._hidden_fused(x)
+        ks, vs = (self.k if ks is None else ks), (self.v if vs is None else vs)
         lean = self.lean
         batch, width = x.input_ids.shape
         span = x.span
@@ -379,7 +385,8 @@ class KVPool:
                 return t
             return t.new_zeros(batch * width, t.shape[-1]).index_copy_(0, real, t[0]).view(batch, width, -1)
         mask = x.tree_mask
-        if mask is None and (batch, width) != (1, 1):  # one query sees every key up to itself: no mask
+        # One query sees every key up to itself: no mask (a traced forward takes any shape: masked).
+        if mask is None and (torch.compiler.is_compiling() or (batch, width) != (1, 1)):
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
         cos, sin = self.cos[x.rope_pos][:, None], self.sin[x.rope_pos][:, None]  # [B, 1, T, D]
         rows = x.slots[:, None]
@@ -390,7 +397,7 @@ class KVPool:
             q = lean._rotate(q.view(batch, width, lean.heads, lean.head_dim).transpose(1, 2), cos, sin)
             k = lean._rotate(k.view(batch, width, lean.kv_heads, lean.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, width, lean.kv_heads, lean.head_dim)
-            pool_k, pool_v = self.k[i], self.v[i]
+            pool_k, pool_v = ks[i], vs[i]
             if x.write_run is not None:  # a copy into a slice costs less than an index_put (a CPU decode step)
                 slot, start, n = x.write_run
                 pool_k[slot, :, start:start + n] = k[0]

@@ -1,0 +1,218 @@
+"""Pooled forwards compiled ahead of time for the CPU (AOTInductor): the CPU's counterpart of
+CUDA graphs.
+
+A decoding step of the embedded 135M model on a CPU streams its weights once (the floor, set by
+memory bandwidth) and then spends about a third more time in Python dispatching some sixty
+small operations a layer (docs/engine.md, "Compiled CPU forwards"). This module traces the KV
+pool's own forward (`KVPool.hidden`, the same code the eager path runs) with torch.export,
+compiles it with AOTInductor into a shared library whose C++ runs the whole forward, and
+calls that library for every forward it can take: the decode steps and verification windows
+of any number of sessions, with dynamic batch rows, query width (up to MAX_WIDTH) and key
+span. Wider forwards (prompt prefill chunks) and draft trees run eagerly.
+
+One library serves every shape, so there are no buckets and no padding: dimensions are
+symbolic in the compiled code. It is compiled once per model, thread count,
+torch version and specd source, then loaded from the cache directory (`<cache>/aot/`), with
+a lock so that processes starting together compile it once. The library holds no weights:
+it reads the model's own tensors (user-managed constants), and the KV pool's per-layer
+keys and values are its inputs, written in place.
+
+The compiled kernels fuse and vectorise the small operations, so logits differ from the
+eager forward's in the last bits (as MKL's row and window products already do); greedy
+identity with target-alone decoding is checked end to end. At load, a probe forward compares
+the library with the eager forward and refuses it (eager, with a warning) if they disagree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specd.errors import InvalidRequest
+from specd.models.pool import KVPool, PoolRow, StepInputs, unpack
+
+log = logging.getLogger(__name__)
+
+CPU_COMPILE_MODES = ("auto", "on", "off")
+MAX_WIDTH = 32  # query rows of a compiled forward: decode steps and verification windows
+MAX_POOL_DIM = 1 << 20  # bound of the symbolic sizes (rows, slots, positions)
+PROBE_TOLERANCE = 1e-3  # largest |compiled - eager| of a probe's hidden states the library may show
+
+
+def compile_supported() -> str | None:
+    """Why ahead-of-time compilation cannot run here, or None when it can."""
+    if not hasattr(torch._inductor, "aoti_compile_and_package"):
+        return f"torch {torch.__version__} has no AOTInductor"
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        return "no C++ compiler (g++) on this machine"
+    return None
+
+
+def check_cpu_compile(mode: str) -> None:
+    if mode not in CPU_COMPILE_MODES:
+        raise InvalidRequest("cpu_compile", f"unknown mode {mode!r} ({', '.join(CPU_COMPILE_MODES)})")
+
+
+class _Step(torch.nn.Module):
+    """What is exported: the pool's forward over explicit inputs. The key span is the length of
+    `span_like`, so that it is a symbolic size, not a constant of the trace."""
+
+    def __init__(self, pool: KVPool):
+        super().__init__()
+        self.pool = pool
+
+    def forward(self, ids, write, rope, qpos, slots, span_like, kv):
+        layers = len(kv) // 2
+        x = StepInputs(ids, write, rope, slots, qpos, span_like.shape[0])
+        return self.pool.hidden(x, kv[:layers], kv[layers:])
+
+
+def _source_hash() -> str:
+    """The code a library is compiled from: these modules' sources (an edit compiles anew)."""
+    from specd.models import kernels, lean, pool
+
+    h = hashlib.sha256()
+    for module in (kernels, lean, pool):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()
+
+
+def _known_tensors(pool: KVPool) -> dict[str, torch.Tensor]:
+    """Every tensor the pool's forward may read as a constant, by a name stable across processes."""
+    known = {f"model.{n}": t for n, t in pool.lean.model.named_parameters()}
+    known.update({f"model.{n}": t for n, t in pool.lean.model.named_buffers()})
+    known.update({"pool.cos": pool.cos, "pool.sin": pool.sin, "pool.sin_signed": pool.sin_signed,
+                  "pool.head_map": pool.head_map})
+    return known
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+class AotRunner:
+    """Runs a KV pool's forwards through its compiled library where one fits (see module doc)."""
+
+    def __init__(self, pool: KVPool, cache_dir: Path):
+        assert pool.device.type == "cpu" and not pool.fused, "ahead-of-time forwards are for the CPU pool"
+        self.pool = pool
+        self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
+        self._spans = torch.empty(pool.max_len)
+        self.runs = self.eager = 0
+        self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
+        self.path = Path(cache_dir) / "aot" / f"{self._key()}.pt2"
+        self.library = self._load_or_compile()
+        self._probe()
+        pool.graphs = self
+
+    def _key(self) -> str:
+        p = self.pool
+        config = p.lean.model.config.to_dict()
+        what = [torch.__version__, _source_hash(), json.dumps(config, sort_keys=True, default=str), str(p.dtype),
+                MAX_WIDTH, torch.get_num_threads()]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
+
+    def _example(self) -> tuple:
+        """Two padded rows of width two over three key columns (sizes above 1, which a trace
+        would otherwise take as constants): writes only the pool's trash slot."""
+        x = unpack(self.pool.pack([], 2, 2), 2, 2, 3)
+        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:3], self.kv)
+
+    def _load_or_compile(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        names_file = self.path.with_suffix(".json")
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process compiles; the others wait and load its library
+            if not (self.path.is_file() and names_file.is_file()):
+                self._compile(names_file)
+        self._names = json.loads(names_file.read_text())
+        self.library = torch._inductor.aoti_load_package(str(self.path))
+        self.invalidate()
+        return self.library
+
+    def invalidate(self) -> None:
+        """Point the library at the model's tensors as they are now (after a weight was replaced)."""
+        known = _known_tensors(self.pool)
+        self.library.load_constants({fqn: known[name] for fqn, name in self._names.items()},
+                                    check_full_update=True, user_managed=True)
+
+    def _compile(self, names_file: Path) -> None:
+        from torch.export import Dim
+
+        p = self.pool
+        log.warning("compiling the CPU forward ahead of time: once per model and pool (about a minute)")
+        t0 = time.perf_counter()
+        # Pool geometry is symbolic too: one library for every pool of this model (a service's, an engine's).
+        slots, columns = Dim("slots", min=2, max=MAX_POOL_DIM), Dim("columns", min=3, max=MAX_POOL_DIM)
+        batch, width, span = Dim("batch", min=1, max=MAX_POOL_DIM), Dim("width", min=1, max=MAX_WIDTH), \
+            Dim("span", min=1, max=MAX_POOL_DIM)
+        rows = {0: batch, 1: width}
+        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, [{0: slots, 2: columns}] * len(self.kv))
+        with torch.no_grad():
+            program = torch.export.export(_Step(p), self._example(), dynamic_shapes=shapes)
+        known = _known_tensors(p)
+        names = {}
+        for lifted, tensor in program.constants.items():
+            match = next((n for n, t in known.items() if isinstance(tensor, torch.Tensor) and _same(t, tensor)), None)
+            if match is None:
+                raise RuntimeError(f"the traced forward reads a tensor specd does not know: {lifted}")
+            names[lifted.replace("lifted_tensor_", "_tensor_constant")] = match
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        library = torch._inductor.aoti_load_package(str(tmp))
+        missing = set(library.get_constant_fqns()) - set(names)
+        if missing:
+            raise RuntimeError(f"the compiled forward names constants the trace did not: {sorted(missing)[:3]}")
+        names_file.write_text(json.dumps(names))
+        tmp.replace(self.path)
+        self.compile_seconds = time.perf_counter() - t0
+        log.warning("compiled the CPU forward in %.0f s: %s", self.compile_seconds, self.path)
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        """One padded forward (the trash slot only) compiled and eager: they must agree."""
+        args = self._example()
+        compiled = self.library(*args).clone()
+        x = unpack(self.pool.pack([], 2, 2), 2, 2, 3)
+        eager = self.pool.hidden(x)
+        gap = (compiled - eager).abs().max().item()
+        if not gap <= PROBE_TOLERANCE:
+            raise RuntimeError(f"the compiled CPU forward disagrees with the eager one (max gap {gap:.2e})")
+
+    def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
+        """hidden [B, T, H] of rows (unpadded but for shorter rows' columns) and the width T; None
+        when the forward is wider than MAX_WIDTH (the pool then runs it eagerly)."""
+        if width > MAX_WIDTH or not rows:
+            self.eager += 1
+            return None
+        x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)
+        self.runs += 1
+        hidden = self.library(x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:span], self.kv)
+        return hidden, width
+
+
+def use_compiled(pool: KVPool, cache_dir: Path, required: bool) -> AotRunner | None:
+    """Compile (or load) the pool's forward; None, with a warning, where that fails and the
+    mode was auto (required: the failure is an error)."""
+    reason = compile_supported()
+    if reason is None:
+        try:
+            return AotRunner(pool, cache_dir)
+        except Exception as e:  # noqa: BLE001 (a compiler or loader failure: the eager forward still works)
+            reason = f"{type(e).__name__}: {e}"
+    if required:
+        raise InvalidRequest("cpu_compile", f"cannot compile the CPU forward: {reason}")
+    log.warning("CPU forward stays eager: %s", reason)
+    return None

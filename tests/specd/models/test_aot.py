@@ -1,0 +1,111 @@
+"""Pooled forwards compiled ahead of time for the CPU (specd.models.aot): one library for every
+shape, equal to the eager pool's forward (logits close, greedy identical) for decode steps,
+verification windows and batches of unequal rows; compiled once, then loaded from the cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specd.costs import CostCurve
+from specd.drafters import HfDrafter
+from specd.engine import SpeculativeEngine
+from specd.errors import InvalidRequest
+from specd.models.aot import AotRunner, compile_supported
+from specd.models.pool import PoolRow, pooled_extend
+from specd.types import SamplingParams, SpecParams
+
+pytestmark = pytest.mark.skipif(compile_supported() is not None, reason=f"{compile_supported()}")
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (n,), generator=gen).tolist()
+
+
+@pytest.fixture(scope="module")
+def aot_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("aot")
+
+
+@pytest.fixture
+def compiled(tiny_target, aot_cache):
+    """The tiny target in a 4-slot pool whose forwards run the compiled library."""
+    model = replace(tiny_target, forward="lean")
+    model.use_pool(4, 256, compiled="on", cache_dir=aot_cache)
+    assert isinstance(model.pool.graphs, AotRunner)
+    return model
+
+
+@pytest.fixture
+def eager(tiny_target):
+    model = replace(tiny_target, forward="lean")
+    model.use_pool(4, 256)
+    return model
+
+
+def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batches(compiled, eager):
+    runner = compiled.pool.graphs
+    pairs = [(compiled.session(), eager.session()) for _ in range(3)]
+    for (a, b), prefix in zip(pairs, (_tokens(5, 1), _tokens(17, 2), _tokens(40, 3))):
+        a.extend(prefix, 1)  # the 40-token prefix is wider than MAX_WIDTH: eager
+        b.extend(prefix, 1)
+    runs = runner.runs
+    for step in range(4):  # decode steps and windows, one session at a time
+        for (a, b), n in zip(pairs, (1, 4, 9)):
+            ids = _tokens(n, 10 + step)
+            torch.testing.assert_close(a.extend(ids, n)[0], b.extend(ids, n)[0], **TOL)
+    # one batch of rows of different lengths and contexts (padded columns, several slots)
+    new = [_tokens(1, 20), _tokens(6, 21), _tokens(3, 22)]
+    got = pooled_extend([a for a, _ in pairs], new, [1, 6, 3])
+    want = pooled_extend([b for _, b in pairs], new, [1, 6, 3])
+    for (x, _), (y, _) in zip(got, want):
+        torch.testing.assert_close(x, y, **TOL)
+    # a rollback then a step: the compiled forward reads only the kept keys
+    for a, b in pairs:
+        a.rollback(a.length - 3)
+        b.rollback(b.length - 3)
+        torch.testing.assert_close(a.extend([7], 1)[0], b.extend([7], 1)[0], **TOL)
+    assert runner.runs > runs + 12  # every one of those forwards ran compiled
+
+
+def test_a_prefill_wider_than_the_library_runs_eagerly(compiled, eager):
+    a, b = compiled.session(), eager.session()
+    prompt = _tokens(100, 5)
+    before = compiled.pool.graphs.eager
+    torch.testing.assert_close(a.extend(prompt, 2)[0], b.extend(prompt, 2)[0], **TOL)
+    assert compiled.pool.graphs.eager == before + 1
+    torch.testing.assert_close(a.extend([9], 1)[0], b.extend([9], 1)[0], **TOL)
+
+
+def test_greedy_speculation_over_the_compiled_target_equals_the_target_alone(compiled, eager, tiny_draft):
+    prompt = _tokens(12, 7)
+    flat = CostCurve(0.0, list(range(1, 18)), [0.01] * 17, smoothing=0.0)
+    alone = SpeculativeEngine(eager).generate(prompt, SamplingParams(max_new_tokens=40), SpecParams("none"))
+    fast = SpeculativeEngine(compiled, HfDrafter(tiny_draft, compiled), costs=flat).generate(
+        prompt, SamplingParams(max_new_tokens=40), SpecParams("constant"))
+    assert fast.token_ids == alone.token_ids
+    assert fast.stats.verifications > 0
+
+
+def test_the_library_is_compiled_once_then_loaded(tiny_target, aot_cache, compiled):
+    again = replace(tiny_target, forward="lean")
+    again.use_pool(2, 128, compiled="on", cache_dir=aot_cache)  # another pool geometry: the same library
+    assert again.pool.graphs.compile_seconds == 0.0
+    assert again.pool.graphs.path == compiled.pool.graphs.path
+
+
+def test_cpu_compile_is_refused_where_it_cannot_run(tiny_target):
+    model = replace(tiny_target, forward="lean")
+    with pytest.raises(InvalidRequest, match="cpu_compile"):
+        model.use_pool(2, 64, compiled="sometimes")
+
+
+def test_rows_are_the_pool_rows_a_library_takes(compiled):
+    s = compiled.session()
+    s.extend(_tokens(4, 1), 1)
+    hidden, width = compiled.pool.graphs.run([PoolRow(s.slot, s.length, [3, 4], 2)], 2, s.length + 2)
+    assert hidden.shape[:2] == (1, 2) and width == 2
