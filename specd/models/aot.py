@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -137,7 +138,9 @@ class AotRunner:
             if not (self.path.is_file() and names_file.is_file()):
                 self._compile(names_file)
         self._names = json.loads(names_file.read_text())
-        self.library = torch._inductor.aoti_load_package(str(self.path))
+        with warnings.catch_warnings():  # torch's own deprecation notices about its pytree types
+            warnings.simplefilter("ignore", FutureWarning)
+            self.library = torch._inductor.aoti_load_package(str(self.path))
         self.invalidate()
         return self.library
 
@@ -159,7 +162,8 @@ class AotRunner:
             Dim("span", min=1, max=MAX_POOL_DIM)
         rows = {0: batch, 1: width}
         shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, [{0: slots, 2: columns}] * len(self.kv))
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Step(p), self._example(), dynamic_shapes=shapes)
         known = _known_tensors(p)
         names = {}
@@ -169,9 +173,11 @@ class AotRunner:
                 raise RuntimeError(f"the traced forward reads a tensor specd does not know: {lifted}")
             names[lifted.replace("lifted_tensor_", "_tensor_constant")] = match
         tmp = self.path.with_suffix(f".tmp{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
-        library = torch._inductor.aoti_load_package(str(tmp))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            library = torch._inductor.aoti_load_package(str(tmp))
         missing = set(library.get_constant_fqns()) - set(names)
         if missing:
             raise RuntimeError(f"the compiled forward names constants the trace did not: {sorted(missing)[:3]}")
@@ -192,9 +198,12 @@ class AotRunner:
             raise RuntimeError(f"the compiled CPU forward disagrees with the eager one (max gap {gap:.2e})")
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
-        """hidden [B, T, H] of rows (unpadded but for shorter rows' columns) and the width T; None
-        when the forward is wider than MAX_WIDTH (the pool then runs it eagerly)."""
-        if width > MAX_WIDTH or not rows:
+        """hidden [B, T, H] of rows and the width T; None (the pool then runs the forward eagerly)
+        when it is wider than MAX_WIDTH, or when the eager forward has a cheaper layout for it:
+        rows of unequal length (projections over the real tokens only) or contexts of very
+        different lengths (attention in groups), KVPool.hidden."""
+        unequal = len(rows) > 1 and (any(len(r.ids) != width for r in rows) or self.pool._span_groups(rows))
+        if width > MAX_WIDTH or not rows or unequal:
             self.eager += 1
             return None
         x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)

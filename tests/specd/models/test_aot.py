@@ -50,7 +50,7 @@ def eager(tiny_target):
 def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batches(compiled, eager):
     runner = compiled.pool.graphs
     pairs = [(compiled.session(), eager.session()) for _ in range(3)]
-    for (a, b), prefix in zip(pairs, (_tokens(5, 1), _tokens(17, 2), _tokens(40, 3))):
+    for (a, b), prefix in zip(pairs, (_tokens(40, 1), _tokens(30, 2), _tokens(20, 3))):
         a.extend(prefix, 1)  # the 40-token prefix is wider than MAX_WIDTH: eager
         b.extend(prefix, 1)
     runs = runner.runs
@@ -58,18 +58,25 @@ def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batche
         for (a, b), n in zip(pairs, (1, 4, 9)):
             ids = _tokens(n, 10 + step)
             torch.testing.assert_close(a.extend(ids, n)[0], b.extend(ids, n)[0], **TOL)
-    # one batch of rows of different lengths and contexts (padded columns, several slots)
-    new = [_tokens(1, 20), _tokens(6, 21), _tokens(3, 22)]
-    got = pooled_extend([a for a, _ in pairs], new, [1, 6, 3])
-    want = pooled_extend([b for _, b in pairs], new, [1, 6, 3])
-    for (x, _), (y, _) in zip(got, want):
-        torch.testing.assert_close(x, y, **TOL)
+    assert runner.runs == runs + 12
+    # batches over several slots: equal rows (compiled), then rows of different lengths (eager,
+    # whose packed layout runs only their real tokens)
+    for new, compiled_batch in (([_tokens(2, 20), _tokens(2, 21), _tokens(2, 22)], True),
+                                ([_tokens(1, 23), _tokens(6, 24), _tokens(3, 25)], False)):
+        runs = runner.runs
+        wanted = [len(ids) for ids in new]
+        got = pooled_extend([a for a, _ in pairs], new, wanted)
+        want = pooled_extend([b for _, b in pairs], new, wanted)
+        for (x, _), (y, _) in zip(got, want):
+            torch.testing.assert_close(x, y, **TOL)
+        assert runner.runs == runs + compiled_batch
+    runs = runner.runs
     # a rollback then a step: the compiled forward reads only the kept keys
     for a, b in pairs:
         a.rollback(a.length - 3)
         b.rollback(b.length - 3)
         torch.testing.assert_close(a.extend([7], 1)[0], b.extend([7], 1)[0], **TOL)
-    assert runner.runs > runs + 12  # every one of those forwards ran compiled
+    assert runner.runs == runs + 3  # the steps after a rollback ran compiled
 
 
 def test_a_prefill_wider_than_the_library_runs_eagerly(compiled, eager):
