@@ -11,7 +11,7 @@ of any number of sessions, with dynamic batch rows, query width (up to MAX_WIDTH
 span. Wider forwards (prompt prefill chunks) and draft trees run eagerly.
 
 One library serves every shape, so there are no buckets and no padding: dimensions are
-symbolic in the compiled code. It is compiled once per model, thread count,
+symbolic in the compiled code. It is compiled once per model,
 torch version and specd source, then loaded from the cache directory (`<cache>/aot/`), with
 a lock so that processes starting together compile it once. The library holds no weights:
 it reads the model's own tensors (user-managed constants), and the KV pool's per-layer
@@ -121,7 +121,7 @@ class AotRunner:
         p = self.pool
         config = p.lean.model.config.to_dict()
         what = [torch.__version__, _source_hash(), json.dumps(config, sort_keys=True, default=str), str(p.dtype),
-                MAX_WIDTH, torch.get_num_threads()]
+                MAX_WIDTH]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
     def _example(self) -> tuple:
@@ -175,8 +175,11 @@ class AotRunner:
         tmp = self.path.with_suffix(f".tmp{os.getpid()}.pt2")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
+                "aot_inductor.package_constants_in_so": False,
+                # the fused loops run on one thread (vectors of a few thousand floats), so one
+                # library serves every thread count; the products and attention use torch's threads
+                "cpp.threads": 1})
             library = torch._inductor.aoti_load_package(str(tmp))
         missing = set(library.get_constant_fqns()) - set(names)
         if missing:
