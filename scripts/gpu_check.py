@@ -116,7 +116,7 @@ def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | N
 def capture(model: LoadedModel, args, results: dict, name: str) -> bool:
     """Capture every shape the timed runs meet before them: one session's decode steps and
     windows, and the batched section's decode steps, over the spans these prompts reach."""
-    runner = model.pool.graphs
+    runner = model.pool.runner
     spans = runner.spans[:3]
     keys = [(1, w, s) for w in runner.widths for s in spans]
     keys += [runner.bucket(int(n), 1, s) for n in args.batch_sizes.split(",") for s in spans[:2]
@@ -127,7 +127,7 @@ def capture(model: LoadedModel, args, results: dict, name: str) -> bool:
         return True
     except Exception as e:  # noqa: BLE001 - report it and measure the rest eagerly
         results.setdefault("graph_error", {})[name] = f"{type(e).__name__}: {e}"
-        model.pool.graphs = None
+        model.pool.runner = None
         return False
 
 
@@ -181,7 +181,7 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
     pools = {"eager": kinds["pool-eager"]}
     if "pool-graphs" in kinds:
         pools["graphs"] = kinds["pool-graphs"]
-        runner = pools["graphs"].pool.graphs  # forwards replayed against those run eagerly (outside the buckets)
+        runner = pools["graphs"].pool.runner  # forwards replayed against those run eagerly (outside the buckets)
         results["graph_forwards"] = {"replays": runner.replays, "eager": runner.eager, "graphs": len(runner.graphs)}
     return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools, "best": best_name}
 

@@ -71,10 +71,10 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
     log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
     if graphs:
-        seconds = pool.graphs.capture(progress=log.info)
+        seconds = pool.runner.capture(progress=log.info)
         log.info("CUDA graphs captured in %.1f s", seconds)
-    elif pool.graphs is not None:
-        log.info("target forwards compiled for the CPU: %s", pool.graphs.path)
+    elif pool.runner is not None:
+        log.info("target forwards compiled for the CPU: %s", pool.runner.path)
 
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:

@@ -36,7 +36,7 @@ def machine_info(target) -> dict:
 
 def forward_label(target) -> str:
     """lean or hf, and how a pooled target runs it: compiled ahead of time, or in CUDA graphs."""
-    runner = type(target.pool.graphs).__name__ if target.pool is not None and target.pool.graphs else ""
+    runner = type(target.pool.runner).__name__ if target.pool is not None and target.pool.runner else ""
     return target.forward_kind() + {"AotRunner": " (compiled)", "GraphRunner": " (CUDA graphs)"}.get(runner, "")
 
 

@@ -169,9 +169,9 @@ def _pool_of(drafter: EarlyExitDrafter, slots: int, max_len: int) -> KVPool:
         return logits.float(), adapted
 
     pool = KVPool(drafter._lean, slots, max_len, head=head)
-    if target is not None and target.graphs is not None:
-        from specd.models.graphs import GraphRunner
+    from specd.models.graphs import GraphRunner
 
+    if target is not None and isinstance(target.runner, GraphRunner):  # a compiled CPU target's drafter stays eager
         GraphRunner(pool)
     return pool
 

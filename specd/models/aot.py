@@ -8,7 +8,8 @@ pool's own forward (`KVPool.hidden`, the same code the eager path runs) with tor
 compiles it with AOTInductor into a shared library whose C++ runs the whole forward, and
 calls that library for every forward it can take: the decode steps and verification windows
 of any number of sessions, with dynamic batch rows, query width (up to MAX_WIDTH) and key
-span. Wider forwards (prompt prefill chunks) and draft trees run eagerly.
+span. Wider forwards (prompt prefill chunks), draft trees, and batches whose rows differ in
+length or context (where the eager forward's packed and grouped layouts are cheaper) run eagerly.
 
 One library serves every shape, so there are no buckets and no padding: dimensions are
 symbolic in the compiled code. It is compiled once per model,
@@ -115,7 +116,7 @@ class AotRunner:
         self.path = Path(cache_dir) / "aot" / f"{self._key()}.pt2"
         self.library = self._load_or_compile()
         self._probe()
-        pool.graphs = self
+        pool.runner = self
 
     def _key(self) -> str:
         p = self.pool

@@ -67,7 +67,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
-        pool.graphs = self
+        pool.runner = self
 
     def invalidate(self) -> None:
         """Drop the captured graphs (they hold the addresses of weights since replaced)."""

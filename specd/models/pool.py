@@ -166,9 +166,9 @@ class KVPool:
         self._lock = threading.Lock()
         self.lengths = [0] * slots
         self.written = [0] * slots  # each slot's high-water mark: the positions whose pages are mapped
-        # a specd.models.graphs.GraphRunner when forwards are captured in CUDA graphs, a
-        # specd.models.aot.AotRunner when they are compiled for the CPU
-        self.graphs = None
+        # what runs forwards that fit it: a specd.models.graphs.GraphRunner (CUDA graphs) or a
+        # specd.models.aot.AotRunner (compiled for the CPU); None: every forward eager
+        self.runner = None
         self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
 
     # slots ---------------------------------------------------------------------------------
@@ -223,8 +223,8 @@ class KVPool:
     def session(self) -> PoolSession:
         fused = self.lean._fused_from
         self.lean._refresh()  # weights trained in place since (an early-exit adapter layer): fuse anew
-        if self.lean._fused_from is not fused and self.graphs is not None:
-            self.graphs.invalidate()  # captured or compiled with the old weights' addresses
+        if self.lean._fused_from is not fused and self.runner is not None:
+            self.runner.invalidate()  # captured or compiled with the old weights' addresses
         return PoolSession(self)
 
     # forwards ------------------------------------------------------------------------------
@@ -264,8 +264,8 @@ class KVPool:
         are padded to; advances each slot's length."""
         width, span = max(len(r.ids) for r in rows), self.span(rows)
         replayed = None
-        if self.graphs is not None and all(r.mask is None for r in rows):
-            replayed = self.graphs.run(rows, width, span)
+        if self.runner is not None and all(r.mask is None for r in rows):
+            replayed = self.runner.run(rows, width, span)
         if replayed is not None:
             hidden, width = replayed
         else:

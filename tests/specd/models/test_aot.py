@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specd.costs import CostCurve
-from specd.drafters import HfDrafter
+from specd.drafters import EarlyExitDrafter, HfDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.aot import AotRunner, compile_supported
@@ -36,7 +36,7 @@ def compiled(tiny_target, aot_cache):
     """The tiny target in a 4-slot pool whose forwards run the compiled library."""
     model = replace(tiny_target, forward="lean")
     model.use_pool(4, 256, compiled="on", cache_dir=aot_cache)
-    assert isinstance(model.pool.graphs, AotRunner)
+    assert isinstance(model.pool.runner, AotRunner)
     return model
 
 
@@ -48,7 +48,7 @@ def eager(tiny_target):
 
 
 def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batches(compiled, eager):
-    runner = compiled.pool.graphs
+    runner = compiled.pool.runner
     pairs = [(compiled.session(), eager.session()) for _ in range(3)]
     for (a, b), prefix in zip(pairs, (_tokens(40, 1), _tokens(30, 2), _tokens(20, 3))):
         a.extend(prefix, 1)  # the 40-token prefix is wider than MAX_WIDTH: eager
@@ -82,9 +82,9 @@ def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batche
 def test_a_prefill_wider_than_the_library_runs_eagerly(compiled, eager):
     a, b = compiled.session(), eager.session()
     prompt = _tokens(100, 5)
-    before = compiled.pool.graphs.eager
+    before = compiled.pool.runner.eager
     torch.testing.assert_close(a.extend(prompt, 2)[0], b.extend(prompt, 2)[0], **TOL)
-    assert compiled.pool.graphs.eager == before + 1
+    assert compiled.pool.runner.eager == before + 1
     torch.testing.assert_close(a.extend([9], 1)[0], b.extend([9], 1)[0], **TOL)
 
 
@@ -98,11 +98,23 @@ def test_greedy_speculation_over_the_compiled_target_equals_the_target_alone(com
     assert fast.stats.verifications > 0
 
 
+def test_an_early_exit_drafter_over_a_compiled_target_drafts_from_its_own_eager_pool(compiled, eager):
+    """The drafter's pool of the target's first layers stays eager (it was handed a CUDA graph
+    runner for any runner the target's pool had, and failed)."""
+    prompt = _tokens(12, 8)
+    alone = SpeculativeEngine(eager).generate(prompt, SamplingParams(max_new_tokens=24), SpecParams("none"))
+    drafter = EarlyExitDrafter(compiled, 1)
+    fast = SpeculativeEngine(compiled, drafter).generate(prompt, SamplingParams(max_new_tokens=24),
+                                                         SpecParams("constant"))
+    assert fast.token_ids == alone.token_ids
+    assert drafter._kv_pool is not None and drafter._kv_pool.runner is None
+
+
 def test_the_library_is_compiled_once_then_loaded(tiny_target, aot_cache, compiled):
     again = replace(tiny_target, forward="lean")
     again.use_pool(2, 128, compiled="on", cache_dir=aot_cache)  # another pool geometry: the same library
-    assert again.pool.graphs.compile_seconds == 0.0
-    assert again.pool.graphs.path == compiled.pool.graphs.path
+    assert again.pool.runner.compile_seconds == 0.0
+    assert again.pool.runner.path == compiled.pool.runner.path
 
 
 def test_cpu_compile_is_refused_where_it_cannot_run(tiny_target):
@@ -114,5 +126,5 @@ def test_cpu_compile_is_refused_where_it_cannot_run(tiny_target):
 def test_rows_are_the_pool_rows_a_library_takes(compiled):
     s = compiled.session()
     s.extend(_tokens(4, 1), 1)
-    hidden, width = compiled.pool.graphs.run([PoolRow(s.slot, s.length, [3, 4], 2)], 2, s.length + 2)
+    hidden, width = compiled.pool.runner.run([PoolRow(s.slot, s.length, [3, 4], 2)], 2, s.length + 2)
     assert hidden.shape[:2] == (1, 2) and width == 2
