@@ -78,7 +78,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-compile", default="auto", choices=["auto", "on", "off"],
                    help="auto: for a float32 model of 16M+ weights on the CPU, run the target from a "
                         "preallocated KV pool whose forwards are compiled ahead of time (AOTInductor; "
-                        "the first run compiles for about a minute, later runs load it from the cache "
+                        "the first run compiles for a minute or two, later runs load it from the cache "
                         "directory: docs/engine.md); off: eager forwards")
     p.add_argument("--cache-dir", type=Path, help="where dequantized weights and compiled forwards are kept "
                                                   "(default $SPECD_CACHE_DIR or ~/.cache/specd)")
