@@ -12,7 +12,7 @@ span. Wider forwards (prompt prefill chunks), draft trees, and batches whose row
 length or context (where the eager forward's packed and grouped layouts are cheaper) run eagerly.
 
 One library serves every shape, so there are no buckets and no padding: dimensions are
-symbolic in the compiled code. It is compiled once per model,
+symbolic in the compiled code. It is compiled once per model, thread count,
 torch version and specd source, then loaded from the cache directory (`<cache>/aot/`), with
 a lock so that processes starting together compile it once. The library holds no weights:
 it reads the model's own tensors (user-managed constants), and the KV pool's per-layer
@@ -121,8 +121,10 @@ class AotRunner:
     def _key(self) -> str:
         p = self.pool
         config = p.lean.model.config.to_dict()
+        # The fused loops' thread count is compiled in: fixed at one, 8 sessions' decode steps ran
+        # 10% slower on 2 cores (docs/engine.md), so a library is compiled per thread count.
         what = [torch.__version__, _source_hash(), json.dumps(config, sort_keys=True, default=str), str(p.dtype),
-                MAX_WIDTH]
+                MAX_WIDTH, torch.get_num_threads()]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
     def _example(self) -> tuple:
@@ -176,11 +178,8 @@ class AotRunner:
         tmp = self.path.with_suffix(f".tmp{os.getpid()}.pt2")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
-                "aot_inductor.package_constants_in_so": False,
-                # the fused loops run on one thread (vectors of a few thousand floats), so one
-                # library serves every thread count; the products and attention use torch's threads
-                "cpp.threads": 1})
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
             library = torch._inductor.aoti_load_package(str(tmp))
         missing = set(library.get_constant_fqns()) - set(names)
         if missing:
