@@ -427,6 +427,14 @@ def _machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} CPUs"
 
 
+def stack_args(args, port: int) -> argparse.Namespace:
+    """What `specd up` would be given for the stack bench-load starts (services.cli._plan):
+    its defaults, with the drafter, target and overlap asked for here."""
+    return argparse.Namespace(port=port, drafter=args.drafter, draft_model=None, target_model=args.target_model,
+                              policy="cost-aware", no_overlap=args.no_overlap, redis_url=None, dvi=False,
+                              branches=None)
+
+
 def cmd_bench_load(args) -> int:
     import subprocess
     import tempfile
@@ -447,10 +455,7 @@ def cmd_bench_load(args) -> int:
     url, server, costs = args.url, args.url, None
     try:
         if url is None:
-            plan_args = argparse.Namespace(port=_free_port(), drafter=args.drafter, draft_model=None,
-                                           target_model=args.target_model, policy="cost-aware",
-                                           no_overlap=args.no_overlap, redis_url=None, dvi=False)
-            plan = _plan(plan_args)
+            plan = _plan(stack_args(args, _free_port()))
             for i, extra in ((0, args.target_flags), (1, args.draft_flags)):  # target, then draft
                 name, flags, port = plan[i]
                 plan[i] = (name, flags + extra.split(), port)

@@ -41,3 +41,14 @@ def test_the_report_states_the_targets_cost_surface():
     line = bench_load._surface_line(costs)
     assert "a 1-token forward of one session 30.0 ms" in line and "a 9-token forward of one session 38.0 ms" in line
     assert "4 sessions x 1 token 52.0 ms (1.73x)" in line and "8 sessions" not in line
+
+
+def test_the_stack_it_starts_is_planned_as_specd_up_plans_one():
+    """bench-load's own stack goes through `specd up`'s plan (it once lacked an argument the
+    plan reads, `branches`, and every bench-load without --url failed before starting)."""
+    from services.cli import _plan
+
+    args = argparse.Namespace(drafter="retrieval", target_model="embedded", no_overlap=False)
+    plan = _plan(bench_load.stack_args(args, 8123))
+    assert [name for name, _, _ in plan] == ["target", "draft", "coordinator", "gateway"]
+    assert plan[-1][2] == 8123
