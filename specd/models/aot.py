@@ -114,7 +114,7 @@ class AotRunner:
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         self.path = Path(cache_dir) / "aot" / f"{self._key()}.pt2"
-        self.library = self._load_or_compile()
+        self._load_or_compile()
         self._probe()
         pool.runner = self
 
@@ -127,13 +127,16 @@ class AotRunner:
                 MAX_WIDTH, torch.get_num_threads()]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
-    def _example(self) -> tuple:
+    def _example(self) -> StepInputs:
         """Two padded rows of width two over three key columns (sizes above 1, which a trace
         would otherwise take as constants): writes only the pool's trash slot."""
-        x = unpack(self.pool.pack([], 2, 2), 2, 2, 3)
-        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:3], self.kv)
+        return unpack(self.pool.pack([], 2, 2), 2, 2, 3)
 
-    def _load_or_compile(self):
+    def _args(self, x: StepInputs) -> tuple:
+        """The library's inputs for a forward (_Step.forward's order)."""
+        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], self.kv)
+
+    def _load_or_compile(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         names_file = self.path.with_suffix(".json")
         with open(self.path.with_suffix(".lock"), "w") as lock:
@@ -145,7 +148,6 @@ class AotRunner:
             warnings.simplefilter("ignore", FutureWarning)
             self.library = torch._inductor.aoti_load_package(str(self.path))
         self.invalidate()
-        return self.library
 
     def invalidate(self) -> None:
         """Point the library at the model's tensors as they are now (after a weight was replaced)."""
@@ -167,7 +169,7 @@ class AotRunner:
         shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, [{0: slots, 2: columns}] * len(self.kv))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            program = torch.export.export(_Step(p), self._example(), dynamic_shapes=shapes)
+            program = torch.export.export(_Step(p), self._args(self._example()), dynamic_shapes=shapes)
         known = _known_tensors(p)
         names = {}
         for lifted, tensor in program.constants.items():
@@ -192,9 +194,8 @@ class AotRunner:
     @torch.inference_mode()
     def _probe(self) -> None:
         """One padded forward (the trash slot only) compiled and eager: they must agree."""
-        args = self._example()
-        compiled = self.library(*args).clone()
-        x = unpack(self.pool.pack([], 2, 2), 2, 2, 3)
+        x = self._example()
+        compiled = self.library(*self._args(x)).clone()
         eager = self.pool.hidden(x)
         gap = (compiled - eager).abs().max().item()
         if not gap <= PROBE_TOLERANCE:
@@ -211,8 +212,7 @@ class AotRunner:
             return None
         x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)
         self.runs += 1
-        hidden = self.library(x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:span], self.kv)
-        return hidden, width
+        return self.library(*self._args(x)), width
 
 
 def use_compiled(pool: KVPool, cache_dir: Path, required: bool) -> AotRunner | None:
