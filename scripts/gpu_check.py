@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=40)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
+    p.add_argument("--gemv-rows", type=int, default=None, help="fused forwards of 2..N rows run each projection as "
+                                                              "one-row products (specd.models.pool.GEMV_ROWS)")
+    p.add_argument("--skip-exact", action="store_true", help="leave out the exact path's graphs")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -155,8 +158,8 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
     none = SpecParams(policy="none")
     kinds = {"hf": target, "pool-eager": variant(target, pool=True, graphs=False, args=args)}
     if device.type == "cuda":
-        exact = variant(target, pool=True, graphs=True, args=args, fused=False)
-        if capture(exact, args, results, "exact"):
+        exact = None if args.skip_exact else variant(target, pool=True, graphs=True, args=args, fused=False)
+        if exact is not None and capture(exact, args, results, "exact"):
             kinds["pool-graphs-exact"] = exact
         fused = variant(target, pool=True, graphs=True, args=args)
         if capture(fused, args, results, "fused"):
@@ -275,8 +278,12 @@ def batched(args, pools: dict[str, LoadedModel], ids, device, clock, results, re
 def main(argv=None) -> int:
     args = parse_args(argv)
     clock = Clock(args.budget_s)
+    if args.gemv_rows is not None:
+        import specd.models.pool as pool_module
+
+        pool_module.GEMV_ROWS = args.gemv_rows
     device = torch.device(args.device)
-    results: dict = {"argv": sys.argv[1:], "torch": torch.__version__, "python": platform.python_version(),
+    results: dict = {"argv": sys.argv[1:], "torch": torch.__version__, "gemv_rows": args.gemv_rows, "python": platform.python_version(),
                      "tf32": torch.backends.cuda.matmul.allow_tf32,
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()}
     try:

@@ -93,8 +93,7 @@ def _known_tensors(pool: KVPool) -> dict[str, torch.Tensor]:
     """Every tensor the pool's forward may read as a constant, by a name stable across processes."""
     known = {f"model.{n}": t for n, t in pool.lean.model.named_parameters()}
     known.update({f"model.{n}": t for n, t in pool.lean.model.named_buffers()})
-    known.update({"pool.cos": pool.cos, "pool.sin": pool.sin, "pool.sin_signed": pool.sin_signed,
-                  "pool.head_map": pool.head_map})
+    known.update({"pool.cos": pool.cos, "pool.sin": pool.sin, "pool.sin_signed": pool.sin_signed})
     return known
 
 

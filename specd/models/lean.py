@@ -153,9 +153,14 @@ def _fused(layers: list[torch.nn.Linear]):
             if torch.compiler.is_compiling() or (gemv and single_row(x)):  # MKL's products, measured faster for one row
                 return separate(x)
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        fused.weight = None  # only the packed copy is kept
         return fused
     weight = torch.cat(parts, dim=0)
-    return lambda x: separate(x) if torch.compiler.is_compiling() else F.linear(x, weight)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return separate(x) if torch.compiler.is_compiling() else F.linear(x, weight)
+    plain.weight = weight  # the concatenated weight, for the pool's batched matrix-vector products
+    return plain
 
 
 class LeanLlama:

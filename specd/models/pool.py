@@ -39,6 +39,10 @@ from specd.models.lean import LeanLlama
 # Windows up to this many query rows attend through batched matrix products rather than a fused
 # attention kernel, whose tiles are mostly idle for so few rows (docs/engine.md, "Static KV memory").
 MATMUL_ATTENTION_WIDTH = 32
+# Fused forwards of 2..GEMV_ROWS query rows in all run each projection as one matrix-vector product
+# per row, batched (KVPool.gemv_rows; 0: never); every row then goes through the kernel a one-row
+# step uses (docs/engine.md, "Static KV memory").
+GEMV_ROWS = 0
 
 Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -158,10 +162,10 @@ class KVPool:
         lean._rope(0, max_len + 1, None)  # the rotary table for every column, trash included
         self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
         self.fused = self.device.type == "cuda" if fused is None else fused
+        self.gemv_rows = GEMV_ROWS
         half = lean.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
-        self.head_map = torch.arange(lean.heads, device=self.device) // lean.groups  # query head -> KV head
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest free slot
         self._lock = threading.Lock()
         self.lengths = [0] * slots
@@ -250,7 +254,7 @@ class KVPool:
             if any(r.want_hidden for r in rows):
                 chosen = chosen.clone()  # a graph's output is overwritten by its next replay
         else:
-            chosen = flat[torch.tensor(picks, device=self.device)]
+            chosen = flat[self.to_device(torch.tensor(picks, pin_memory=self.device.type == "cuda"))]
         logits, states = self.head(chosen)
         out, at = [], 0
         for r in rows:
@@ -299,30 +303,38 @@ class KVPool:
         """Key columns a forward must read: up to the furthest position any row writes."""
         return max(r.start + len(r.ids) for r in rows)
 
-    def pack(self, rows: Sequence[PoolRow], batch: int, width: int) -> torch.Tensor:
+    def pack(self, rows: Sequence[PoolRow], batch: int, width: int, pin: bool = False) -> torch.Tensor:
         """The integer inputs of rows in a [batch, width] forward (batch >= len(rows), width >=
         every row's length) as one flat CPU tensor (unpack's layout): padded queries write the
         trash column of their row's slot, padded rows the trash slot; a padded query sees key 0
-        only, so its attention stays finite."""
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        write = torch.full((batch, width), self.max_len, dtype=torch.long)
-        rope = torch.zeros(batch, width, dtype=torch.long)
-        qpos = torch.zeros(batch, width, dtype=torch.long)
-        slots = torch.full((batch,), self.trash_slot, dtype=torch.long)
+        only, so its attention stays finite. Built as one Python list and one tensor: on a GPU
+        this host work sits between a step's token and the next step's launch. pin: in page-locked
+        memory, for a copy to the GPU that does not wait for the device."""
+        n = batch * width
+        ids, rope, qpos = [0] * n, [0] * n, [0] * n
+        write, slots = [self.max_len] * n, [self.trash_slot] * batch
         for b, r in enumerate(rows):
-            n = len(r.ids)
-            pos = torch.arange(r.start, r.start + n)
-            ids[b, :n] = torch.as_tensor(list(r.ids), dtype=torch.long)
-            write[b, :n] = pos
-            qpos[b, :n] = pos
-            rope[b, :n] = pos if r.positions is None else r.positions.cpu()
+            k, at = len(r.ids), b * width
+            pos = range(r.start, r.start + k)
+            ids[at:at + k] = r.ids
+            write[at:at + k] = qpos[at:at + k] = pos
+            rope[at:at + k] = pos if r.positions is None else r.positions.tolist()
             slots[b] = r.slot
-        return torch.cat([ids.flatten(), write.flatten(), rope.flatten(), qpos.flatten(), slots])
+        return torch.tensor(ids + write + rope + qpos + slots, dtype=torch.long, pin_memory=pin)
+
+    def to_device(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed forward's inputs on the pool's device (into `out` when given). A GPU copy
+        goes from page-locked memory without waiting for the device: a plain copy_ from pageable
+        memory synchronizes the stream, so the host could not prepare a step while one runs."""
+        if out is None:
+            return flat.to(self.device, non_blocking=flat.is_pinned())
+        return out.copy_(flat, non_blocking=flat.is_pinned())
 
     def inputs(self, rows: Sequence[PoolRow], batch: int, width: int, span: int) -> StepInputs:
         """The padded inputs of rows on the pool's device, reading `span` key columns (span >=
         self.span(rows)); with a draft tree's mask where a row brings one."""
-        x = unpack(self.pack(rows, batch, width).to(self.device), batch, width, span)
+        cuda = self.device.type == "cuda"
+        x = unpack(self.to_device(self.pack(rows, batch, width, pin=cuda)), batch, width, span)
         first = rows[0].slot if rows else None
         if len(rows) == batch and all(r.slot == first + b for b, r in enumerate(rows)):
             x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
@@ -435,10 +447,13 @@ class KVPool:
         return padded(lean._rms(lean.norm, h))
 
     def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
-        """hidden(), in about 20 kernels a layer instead of about 45."""
+        """hidden(), in about 18 kernels a layer instead of about 45: a fused RMSNorm, q and k
+        rotated together, each residual sum written by its matrix product (addmm_), and the g
+        query heads that share a KV head attending as one block of g x T rows, so a forward
+        gathers each row's keys and values once per KV head rather than once per query head."""
         lean = self.lean
         batch, width = x.input_ids.shape
-        heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.head_dim
+        heads, kv_heads, dim, groups = lean.heads, lean.kv_heads, lean.head_dim, lean.groups
         span = x.span
         mask = x.tree_mask
         if mask is None:
@@ -446,34 +461,63 @@ class KVPool:
             mask = mask[:, None]
         # An additive mask, made once per forward rather than converted by every layer's attention.
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        bias_rows = bias.expand(batch, heads, width, span).reshape(-1, width, span)  # per (row, head)
+        # per (row, KV head): its g query heads' T queries, head-major (query head = KV head * g + j)
+        bias_rows = bias[:, :, None].expand(batch, kv_heads, groups, width, span).reshape(-1, groups * width, span)
         cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
-        slot_rows, head_rows = x.slots[:, None], self.head_map[None, :]
         write_rows = x.slots[:, None]
+        gemv = 1 < batch * width <= self.gemv_rows
+
+        def project(a: torch.Tensor, proj) -> torch.Tensor:
+            weight = getattr(proj, "weight", None) if gemv else None
+            return proj(a) if weight is None else _rows_product(a, weight)
         h = lean.embed(x.input_ids)
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
             a = F.rms_norm(h, (h.shape[-1],), norm_in.weight, norm_in.variance_epsilon)
-            qkv = qkv_proj(a)
+            qkv = project(a, qkv_proj)
             qk = qkv[..., :lean.q_size + lean.kv_size].view(batch, width, heads + kv_heads, dim)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
             v = qkv[..., lean.q_size + lean.kv_size:].view(batch, width, kv_heads, dim)
             pool_k, pool_v = self.k[i], self.v[i]
             pool_k[write_rows, :, x.write_pos] = qk[:, :, heads:]
             pool_v[write_rows, :, x.write_pos] = v
-            keys = pool_k[slot_rows, head_rows, :span]  # [B, heads, S, D]: each query head's KV head
-            values = pool_v[slot_rows, head_rows, :span]
-            q = qk[:, :, :heads].transpose(1, 2)
+            keys = pool_k[:, :, :span].index_select(0, x.slots)  # [B, kv_heads, S, D]
+            values = pool_v[:, :, :span].index_select(0, x.slots)
             if width <= MATMUL_ATTENTION_WIDTH:  # a few query rows: three small kernels beat one fused
-                scores = torch.baddbmm(bias_rows, q.reshape(-1, width, dim), keys.reshape(-1, span, dim).transpose(1, 2),
-                                       alpha=lean.scaling)
-                out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim)).view(batch, heads, width, dim)
+                q = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+                scores = torch.baddbmm(bias_rows, q.reshape(-1, groups * width, dim),
+                                       keys.reshape(-1, span, dim).transpose(1, 2), alpha=lean.scaling)
+                out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim))  # [B * kv_heads, g * T, D]
+                out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4)
             else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=lean.scaling)
-            h = h + o_proj(out.transpose(1, 2).reshape(batch, width, lean.q_size))
+                out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
+                                                     scale=lean.scaling, enable_gqa=groups > 1).transpose(1, 2)
+            h = _add_product(h, out.reshape(batch, width, lean.q_size), o_proj.weight, gemv)
             a = F.rms_norm(h, (h.shape[-1],), norm_post.weight, norm_post.variance_epsilon)
-            gate, up = gate_up_proj(a).chunk(2, dim=-1)
-            h = h + down_proj(F.silu(gate) * up)
+            gate, up = project(a, gate_up_proj).chunk(2, dim=-1)
+            h = _add_product(h, F.silu(gate) * up, down_proj.weight, gemv)
         return F.rms_norm(h, (h.shape[-1],), lean.norm.weight, lean.norm.variance_epsilon)
+
+
+def _add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False) -> torch.Tensor:
+    """h + x @ weight.T with the sum written into h by the product's own kernel (beta = 1): one
+    kernel where h + linear(x) takes two. h is the forward's own residual stream. gemv: as one
+    matrix-vector product per row (_rows_product)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if gemv:
+        n, k = weight.shape
+        h.view(-1, n, 1).baddbmm_(weight.expand(rows.shape[0], n, k), rows[:, :, None])
+    else:
+        h.view(-1, h.shape[-1]).addmm_(rows, weight.t())
+    return h
+
+
+def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as a batch of matrix-vector products, one per row, all reading the one
+    weight (a batch stride of 0): for a few rows a float32 GPU matrix product picks tiled kernels
+    that cost more than the one-row kernel, which streams the weight once."""
+    rows = x.reshape(-1, x.shape[-1])
+    n, k = weight.shape
+    return torch.bmm(weight.expand(rows.shape[0], n, k), rows[:, :, None]).view(*x.shape[:-1], n)
 
 
 class PoolSession:
