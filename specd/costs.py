@@ -235,7 +235,8 @@ def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(ra
             ids = (prefix * (k // len(prefix) + 1))[-k:]  # any k tokens: cost depends on k, not ids
 
             def forward(ids=ids, k=k):
-                kv.extend(ids, k)
+                logits, _ = kv.extend(ids, k)
+                logits[-1, :1].tolist()  # a GPU forward returns before it has run: wait for it
                 kv.rollback(len(prefix))
 
             forward()  # warm-up

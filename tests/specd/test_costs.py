@@ -92,3 +92,44 @@ def test_a_live_curve_follows_the_same_rule():
     curve.observe_target(2, 0.040)  # twice the measured 0.020: the scale moves one step towards 2
     assert curve.scale == pytest.approx(smoothed(1.0, 2.0))
     assert curve.t_target(4) == pytest.approx(0.040 * curve.scale)
+
+
+class _Deferred:
+    """Logits of a device that runs a forward when its result is read back (a GPU's queue)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __getitem__(self, index):
+        return self
+
+    def tolist(self):
+        import time
+
+        time.sleep(self.seconds)
+        return [0.0]
+
+
+class _DeferredTarget:
+    def session(self):
+        target = self
+
+        class Session:
+            def extend(self, ids, num_logits):
+                return _Deferred(target.seconds), None
+
+            def rollback(self, length):
+                pass
+
+            def close(self):
+                pass
+        return Session()
+
+    seconds = 0.02
+
+
+def test_a_forward_is_timed_until_its_result_exists():
+    """A GPU forward returns once queued; the cost curve must time the work, not the queueing
+    (it did not once copies to the GPU stopped waiting for the device)."""
+    _, ts, _ = costs.measure_t_target(_DeferredTarget(), [5, 6, 7], ks=(1, 3), repeats=3)
+    assert min(ts) >= _DeferredTarget.seconds
