@@ -58,8 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gemv-rows", type=int, default=None, help="fused forwards of 2..N rows run each projection as "
                                                               "one-row products (specd.models.pool.GEMV_ROWS)")
     p.add_argument("--skip-exact", action="store_true", help="leave out the exact path's graphs")
-    p.add_argument("--cuda-compile", action="store_true", help="also the fused forward compiled ahead of time "
-                                                               "(AOTInductor) in CUDA graphs")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -107,13 +105,12 @@ def prompts(args, target: LoadedModel) -> list[list[int]]:
     return [[(13 * i + 7 * j + 3) % (vocab - 3) + 3 for j in range(24 + 5 * i)] for i in range(args.prompts)]
 
 
-def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | None = None,
-            cuda_compile: str = "off") -> LoadedModel:
+def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | None = None) -> LoadedModel:
     """The same weights, opened another way (replace() shares the module). fused: the pool's
     kernel-lean forward (default: on a GPU)."""
     out = replace(target, forward="lean" if pool else target.forward)
     if pool:
-        out.use_pool(args.slots, args.max_len, graphs=graphs, cuda_compile=cuda_compile)
+        out.use_pool(args.slots, args.max_len, graphs=graphs)
         if fused is not None:
             out.pool.fused = fused
     return out
@@ -167,15 +164,6 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
         fused = variant(target, pool=True, graphs=True, args=args)
         if capture(fused, args, results, "fused"):
             kinds["pool-graphs"] = fused
-        if args.cuda_compile:
-            t0 = time.perf_counter()
-            try:
-                compiled = variant(target, pool=True, graphs=True, args=args, cuda_compile="on")
-                results["cuda_compile_s"] = round(time.perf_counter() - t0, 1)
-                if capture(compiled, args, results, "compiled"):
-                    kinds["pool-graphs-compiled"] = compiled
-            except Exception:  # noqa: BLE001 - reported; the eager graphs are measured anyway
-                results["cuda_compile_error"] = _trace()[-3000:]
     runs = {}
     for name, model in kinds.items():
         if clock.left() < 30:
@@ -187,26 +175,22 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
         runs[name] = decode_all(engine, subset, sampling, none, device)
         runs[name]["prompts"] = len(subset)
         print(f"target alone {name}: {runs[name]['tok_s']} tok/s", flush=True)
-    graphed = [n for n in runs if n.startswith("pool-graphs")]
-    best_name = max(graphed, key=lambda n: runs[n]["tok_s"]) if graphed else "pool-eager"
+    best_name = "pool-graphs" if "pool-graphs" in runs else "pool-eager"
     best = runs[best_name]
     results["target_alone"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()}
     results["target_alone_identical_to"] = best_name
     results["target_alone_identical"] = {k: v["outputs"] == best["outputs"][:len(v["outputs"])]
                                          for k, v in runs.items()}
     pools = {"eager": kinds["pool-eager"]}
-    for name in ("pool-graphs", "pool-graphs-compiled"):
-        if name in kinds:
-            pools[name[len("pool-"):]] = kinds[name]
-            runner = kinds[name].pool.runner  # forwards replayed against those run eagerly (outside the buckets)
-            results.setdefault("graph_forwards", {})[name] = {"replays": runner.replays, "eager": runner.eager,
-                                                             "graphs": len(runner.graphs)}
-    return {"model": kinds[best_name], "runs": runs, "pools": pools, "best": best_name}
+    if "pool-graphs" in kinds:
+        pools["graphs"] = kinds["pool-graphs"]
+        runner = pools["graphs"].pool.runner  # forwards replayed against those run eagerly (outside the buckets)
+        results["graph_forwards"] = {"replays": runner.replays, "eager": runner.eager, "graphs": len(runner.graphs)}
+    return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools, "best": best_name}
 
 
 def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_runs) -> None:
-    graphed = [n for n in baseline_runs if n.startswith("pool-graphs")]  # every prompt; the speculating model's
-    base_name = max(graphed, key=lambda n: baseline_runs[n]["tok_s"]) if graphed else "pool-eager"
+    base_name = "pool-graphs" if "pool-graphs" in baseline_runs else "pool-eager"  # every prompt
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     seeded = SamplingParams(temperature=1.0, seed=0, max_new_tokens=args.max_new_tokens)
     base = baseline_runs[base_name]
@@ -284,8 +268,7 @@ def batched(args, pools: dict[str, LoadedModel], ids, device, clock, results, re
                                   "rows_identical": sum(same), "pool_in_use_after": pool.in_use()}
             print(f"batched {kind} {n}: {out[f'{kind}-{n}']['tok_s']} tok/s", flush=True)
     for kind in pools:
-        one, big = out.get(f"{kind}-1"), [v for k, v in out.items() if k.rsplit("-", 1)[0] == kind
-                                            and v["sessions"] > 1]
+        one, big = out.get(f"{kind}-1"), [v for k, v in out.items() if k.startswith(kind) and v["sessions"] > 1]
         if one:
             for v in big:
                 v["x_one_session"] = round(v["tok_s"] / one["tok_s"], 2)

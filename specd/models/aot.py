@@ -59,9 +59,9 @@ def compile_supported() -> str | None:
     return None
 
 
-def check_cpu_compile(mode: str, setting: str = "cpu_compile") -> None:
+def check_cpu_compile(mode: str) -> None:
     if mode not in CPU_COMPILE_MODES:
-        raise InvalidRequest(setting, f"unknown mode {mode!r} ({', '.join(CPU_COMPILE_MODES)})")
+        raise InvalidRequest("cpu_compile", f"unknown mode {mode!r} ({', '.join(CPU_COMPILE_MODES)})")
 
 
 class _Step(torch.nn.Module):
@@ -94,10 +94,6 @@ def _known_tensors(pool: KVPool) -> dict[str, torch.Tensor]:
     known = {f"model.{n}": t for n, t in pool.lean.model.named_parameters()}
     known.update({f"model.{n}": t for n, t in pool.lean.model.named_buffers()})
     known.update({"pool.cos": pool.cos, "pool.sin": pool.sin, "pool.sin_signed": pool.sin_signed})
-    for i, layer in enumerate(pool.lean.layers):  # the concatenated q/k/v and gate/up weights (lean._fused)
-        for name, product in (("qkv", layer[1]), ("gate_up", layer[4])):
-            if getattr(product, "weight", None) is not None:
-                known[f"lean.{i}.{name}"] = product.weight
     return known
 
 
@@ -107,22 +103,19 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class AotRunner:
-    """Runs a KV pool's forwards through its compiled library where one fits (see module doc).
+    """Runs a KV pool's forwards through its compiled library where one fits (see module doc)."""
 
-    On a GPU (install=False) it is the forward a GraphRunner captures in its CUDA graphs
-    (`forward`): the library's kernels, replayed per bucket, instead of the eager forward's."""
-
-    def __init__(self, pool: KVPool, cache_dir: Path, install: bool = True):
+    def __init__(self, pool: KVPool, cache_dir: Path):
+        assert pool.device.type == "cpu" and not pool.fused, "ahead-of-time forwards are for the CPU pool"
         self.pool = pool
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
-        self._spans = torch.empty(pool.max_len, device=pool.device)
+        self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         self.path = Path(cache_dir) / "aot" / f"{self._key()}.pt2"
         self._load_or_compile()
         self._probe()
-        if install:
-            pool.runner = self
+        pool.runner = self
 
     def _key(self) -> str:
         p = self.pool
@@ -130,13 +123,13 @@ class AotRunner:
         # The fused loops' thread count is compiled in: fixed at one, 8 sessions' decode steps ran
         # 10% slower on 2 cores (docs/engine.md), so a library is compiled per thread count.
         what = [torch.__version__, _source_hash(), json.dumps(config, sort_keys=True, default=str), str(p.dtype),
-                MAX_WIDTH, torch.get_num_threads(), p.fused, _device_name(p.device)]
+                MAX_WIDTH, torch.get_num_threads()]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
     def _example(self) -> StepInputs:
         """Two padded rows of width two over three key columns (sizes above 1, which a trace
         would otherwise take as constants): writes only the pool's trash slot."""
-        return unpack(self.pool.to_device(self.pool.pack([], 2, 2)), 2, 2, 3)
+        return unpack(self.pool.pack([], 2, 2), 2, 2, 3)
 
     def _args(self, x: StepInputs) -> tuple:
         """The library's inputs for a forward (_Step.forward's order)."""
@@ -152,7 +145,7 @@ class AotRunner:
         self._names = json.loads(names_file.read_text())
         with warnings.catch_warnings():  # torch's own deprecation notices about its pytree types
             warnings.simplefilter("ignore", FutureWarning)
-            self.library = _load(self.path, self.pool.device)
+            self.library = torch._inductor.aoti_load_package(str(self.path))
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -165,7 +158,7 @@ class AotRunner:
         from torch.export import Dim
 
         p = self.pool
-        log.warning("compiling the %s forward ahead of time: once per model (a minute or two)", p.device.type.upper())
+        log.warning("compiling the CPU forward ahead of time: once per model and pool (about a minute)")
         t0 = time.perf_counter()
         # Pool geometry is symbolic too: one library for every pool of this model (a service's, an engine's).
         slots, columns = Dim("slots", min=2, max=MAX_POOL_DIM), Dim("columns", min=3, max=MAX_POOL_DIM)
@@ -188,14 +181,14 @@ class AotRunner:
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
-            library = _load(tmp, p.device)
+            library = torch._inductor.aoti_load_package(str(tmp))
         missing = set(library.get_constant_fqns()) - set(names)
         if missing:
             raise RuntimeError(f"the compiled forward names constants the trace did not: {sorted(missing)[:3]}")
         names_file.write_text(json.dumps(names))
         tmp.replace(self.path)
         self.compile_seconds = time.perf_counter() - t0
-        log.warning("compiled the %s forward in %.0f s: %s", p.device.type.upper(), self.compile_seconds, self.path)
+        log.warning("compiled the CPU forward in %.0f s: %s", self.compile_seconds, self.path)
 
     @torch.inference_mode()
     def _probe(self) -> None:
@@ -205,11 +198,7 @@ class AotRunner:
         eager = self.pool.hidden(x)
         gap = (compiled - eager).abs().max().item()
         if not gap <= PROBE_TOLERANCE:
-            raise RuntimeError(f"the compiled forward disagrees with the eager one (max gap {gap:.2e})")
-
-    def __call__(self, x: StepInputs) -> torch.Tensor:
-        """The hidden states of a padded forward (KVPool.hidden's contract), from the library."""
-        return self.library(*self._args(x))
+            raise RuntimeError(f"the compiled CPU forward disagrees with the eager one (max gap {gap:.2e})")
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
         """hidden [B, T, H] of rows and the width T; None (the pool then runs the forward eagerly)
@@ -225,34 +214,16 @@ class AotRunner:
         return self.library(*self._args(x)), width
 
 
-def _device_name(device: torch.device) -> str:
-    """Which processor a library's kernels are generated for (a GPU's are compiled for its model)."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-    return device.type
-
-
-def _load(path: Path, device: torch.device):
-    """The compiled library. On a GPU without the runner's own thread synchronization, whose event
-    waits cannot be captured in a CUDA graph (its forwards run one at a time on the compute thread)."""
-    if device.type == "cuda":
-        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=device.index or 0)
-    return torch._inductor.aoti_load_package(str(path))
-
-
-def use_compiled(pool: KVPool, cache_dir: Path, required: bool, install: bool = True,
-                 setting: str = "cpu_compile") -> AotRunner | None:
+def use_compiled(pool: KVPool, cache_dir: Path, required: bool) -> AotRunner | None:
     """Compile (or load) the pool's forward; None, with a warning, where that fails and the
-    mode was auto (required: the failure is an error, naming `setting`). install: make it the
-    pool's runner (the CPU); a GPU's GraphRunner captures it instead."""
+    mode was auto (required: the failure is an error)."""
     reason = compile_supported()
     if reason is None:
         try:
-            return AotRunner(pool, cache_dir, install)
+            return AotRunner(pool, cache_dir)
         except Exception as e:  # noqa: BLE001 (a compiler or loader failure: the eager forward still works)
             reason = f"{type(e).__name__}: {e}"
-    kind = pool.device.type.upper()
     if required:
-        raise InvalidRequest(setting, f"cannot compile the {kind} forward: {reason}")
-    log.warning("%s forward stays eager: %s", kind, reason)
+        raise InvalidRequest("cpu_compile", f"cannot compile the CPU forward: {reason}")
+    log.warning("CPU forward stays eager: %s", reason)
     return None

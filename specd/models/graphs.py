@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specd.models.pool import KVPool, PoolRow, StepInputs, unpack
+from specd.models.pool import KVPool, PoolRow, unpack
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,9 @@ class _Graph:
 class GraphRunner:
     """Captures and replays pooled forwards on one CUDA device."""
 
-    def __init__(self, pool: KVPool, max_batch: int | None = None, max_width: int = WIDTH_BUCKETS[-1],
-                 forward: Callable[[StepInputs], torch.Tensor] | None = None):
-        """forward: what each graph captures (default the pool's eager forward; a compiled one,
-        specd.models.aot, runs the same math in fewer kernels)."""
+    def __init__(self, pool: KVPool, max_batch: int | None = None, max_width: int = WIDTH_BUCKETS[-1]):
         assert pool.device.type == "cuda", "CUDA graphs need a CUDA pool"
         self.pool = pool
-        self.forward = forward or pool.hidden
         self.batches = buckets_up_to(BATCH_BUCKETS, min(max_batch or pool.num_slots, pool.num_slots))
         self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
@@ -76,8 +72,6 @@ class GraphRunner:
     def invalidate(self) -> None:
         """Drop the captured graphs (they hold the addresses of weights since replaced)."""
         self.graphs.clear()
-        if hasattr(self.forward, "invalidate"):
-            self.forward.invalidate()  # a compiled forward reads the weights as they are now
 
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does."""
@@ -106,11 +100,11 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy initialisations, autotuning)
             for _ in range(2):
-                self.forward(static)
+                self.pool.hidden(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            output = self.forward(static)
+            output = self.pool.hidden(static)
         self.graphs[key] = _Graph(graph, flat, output)
         return self.graphs[key]
 

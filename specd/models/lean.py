@@ -139,8 +139,7 @@ def _fused(layers: list[torch.nn.Linear]):
     """One product whose output is the given linears' outputs side by side. With oneDNN
     kernels only the packed copy is kept (the lean forward runs in inference mode only); where
     single rows run unpacked (PackedLinear._gemv), and when the forward is traced for
-    compilation (specd.models.aot), rows go through each linear's own weight. Elsewhere the
-    concatenated weight is kept, as the product's `weight` (a traced forward reads it by name)."""
+    compilation (specd.models.aot), rows go through each linear's own weight."""
     parts = [m.weight.detach() for m in layers]
 
     def separate(x: torch.Tensor) -> torch.Tensor:
@@ -159,8 +158,8 @@ def _fused(layers: list[torch.nn.Linear]):
     weight = torch.cat(parts, dim=0)
 
     def plain(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
-    plain.weight = weight  # the concatenated weight (a compiled forward reads it by name, specd.models.aot)
+        return separate(x) if torch.compiler.is_compiling() else F.linear(x, weight)
+    plain.weight = weight  # the concatenated weight, for the pool's batched matrix-vector products
     return plain
 
 

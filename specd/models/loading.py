@@ -47,24 +47,19 @@ class LoadedModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
     def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False,
-                 compiled: str = "off", cache_dir: Path | None = None, cuda_compile: str = "off") -> KVPool:
+                 compiled: str = "off", cache_dir: Path | None = None) -> KVPool:
         """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
         `max_len` positions (default the model's context), with forwards captured in CUDA
         graphs when `graphs` (a CUDA model only), or compiled ahead of time for the CPU when
         `compiled` is on (auto: where the model is large enough to gain, specd.models.aot).
-        cuda_compile (with graphs): on: the graphs capture the fused forward compiled ahead of
-        time (AOTInductor's kernels) rather than the eager one; off (auto: off, until measured
-        faster). Needs a model the lean forward supports."""
+        Needs a model the lean forward supports."""
         if not supports(self.model):
             raise InvalidRequest("kv_slots", "a KV pool needs a plain Llama model on one device")
         if graphs and self.device.type != "cuda":
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
         check_cpu_compile(compiled)
-        check_cpu_compile(cuda_compile, "cuda_compile")
         if compiled == "on" and not cpu_compilable(self.model, self.device):
             raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
-        if cuda_compile == "on" and not graphs:
-            raise InvalidRequest("cuda_compile", "a compiled GPU forward is captured in CUDA graphs: needs cuda_graphs")
         if self._lean is None:
             self._lean = LeanLlama(self.model)
         self.pool = KVPool(self._lean, slots, min(max_len or self.max_context, self.max_context))
@@ -72,11 +67,7 @@ class LoadedModel:
         if graphs:
             from specd.models.graphs import GraphRunner
 
-            forward = None
-            if cuda_compile == "on":
-                forward = use_compiled(self.pool, cache_dir or default_cache_dir(), required=True, install=False,
-                                       setting="cuda_compile")
-            GraphRunner(self.pool, forward=forward)
+            GraphRunner(self.pool)
         elif compiled == "on" or (compiled == "auto" and compile_pays(self.model, self.device)):
             use_compiled(self.pool, cache_dir or default_cache_dir(), required=compiled == "on")
         return self.pool

@@ -385,7 +385,7 @@ class KVPool:
         takes the padded [B, T] layout. So a verification window joining decode steps costs its
         own tokens, not the window's width for every row."""
         if self.fused:
-            return self._hidden_fused(x, ks, vs)
+            return self._hidden_fused(x)
         ks, vs = (self.k if ks is None else ks), (self.v if vs is None else vs)
         lean = self.lean
         batch, width = x.input_ids.shape
@@ -446,8 +446,7 @@ class KVPool:
             h = h + down_proj(F.silu(gate) * up)
         return padded(lean._rms(lean.norm, h))
 
-    def _hidden_fused(self, x: StepInputs, ks: Sequence[torch.Tensor] | None = None,
-                      vs: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
         """hidden(), in about 18 kernels a layer instead of about 45: a fused RMSNorm, q and k
         rotated together, each residual sum written by its matrix product (addmm_), and the g
         query heads that share a KV head attending as one block of g x T rows, so a forward
@@ -466,9 +465,7 @@ class KVPool:
         bias_rows = bias[:, :, None].expand(batch, kv_heads, groups, width, span).reshape(-1, groups * width, span)
         cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
         write_rows = x.slots[:, None]
-        ks, vs = (self.k if ks is None else ks), (self.v if vs is None else vs)
-        # not in a trace for compilation: its sizes are symbolic, and the compiled products are its own
-        gemv = not torch.compiler.is_compiling() and 1 < batch * width <= self.gemv_rows
+        gemv = 1 < batch * width <= self.gemv_rows
 
         def project(a: torch.Tensor, proj) -> torch.Tensor:
             weight = getattr(proj, "weight", None) if gemv else None
@@ -480,7 +477,7 @@ class KVPool:
             qk = qkv[..., :lean.q_size + lean.kv_size].view(batch, width, heads + kv_heads, dim)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
             v = qkv[..., lean.q_size + lean.kv_size:].view(batch, width, kv_heads, dim)
-            pool_k, pool_v = ks[i], vs[i]
+            pool_k, pool_v = self.k[i], self.v[i]
             pool_k[write_rows, :, x.write_pos] = qk[:, :, heads:]
             pool_v[write_rows, :, x.write_pos] = v
             keys = pool_k[:, :, :span].index_select(0, x.slots)  # [B, kv_heads, S, D]

@@ -14,9 +14,7 @@ from specd.drafters import EarlyExitDrafter, HfDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.models.aot import AotRunner, compile_supported
-from specd.models.loading import LoadedModel
 from specd.models.pool import PoolRow, pooled_extend
-from specd.models.tiny import tiny_llama
 from specd.types import SamplingParams, SpecParams
 
 pytestmark = pytest.mark.skipif(compile_supported() is not None, reason=f"{compile_supported()}")
@@ -130,33 +128,3 @@ def test_rows_are_the_pool_rows_a_library_takes(compiled):
     s.extend(_tokens(4, 1), 1)
     hidden, width = compiled.pool.runner.run([PoolRow(s.slot, s.length, [3, 4], 2)], 2, s.length + 2)
     assert hidden.shape[:2] == (1, 2) and width == 2
-
-
-def test_the_fused_gpu_forward_compiles_to_what_it_computes_eagerly(aot_cache):
-    """The GPU's fused forward, traced and compiled the way a CUDA pool's is (here for the CPU,
-    with plain linears as on a GPU, whose q/k/v and gate/up products read concatenated weights):
-    a library that is not the pool's runner (a GPU's graphs capture it), equal to the eager
-    fused forward for decode steps, windows and batches, writing the pool's keys in place."""
-    model = LoadedModel("plain-tiny", tiny_llama(0, layers=4), None, torch.device("cpu"), 512, frozenset([2]), "lean")
-    pool = model.use_pool(4, 256)
-    assert model._lean.layers[0][1].weight is not None  # the concatenated weight, a constant of the trace
-    pool.fused = True
-    library = AotRunner(pool, aot_cache, install=False)
-    assert pool.runner is None
-    sessions = [model.session() for _ in range(3)]
-    for s, n in zip(sessions, (20, 30, 25)):
-        s.extend(_tokens(n, n), 1)
-    for rows in ([sessions[0].row(_tokens(1, 7))], [sessions[1].row(_tokens(5, 8), 5)],
-                 [s.row(_tokens(3, 9 + i), 3) for i, s in enumerate(sessions)]):
-        width, span = max(len(r.ids) for r in rows), pool.span(rows)
-        x = pool.inputs(rows, len(rows), width, span)
-        with torch.inference_mode():
-            keys = pool.k.clone()
-            got = library(x)
-            written = pool.k.clone()
-            pool.k.copy_(keys)
-        torch.testing.assert_close(got, pool.hidden(x), **TOL)
-        assert not torch.equal(written, keys)  # the library wrote the pool in place...
-        torch.testing.assert_close(written, pool.k, **TOL)  # ...the keys the eager forward writes, where it does
-    for s in sessions:
-        s.close()
