@@ -114,8 +114,8 @@ def linear_section(cfg, device) -> dict:
             a, b = torch.nn.functional.linear(x, w), P._rows_product(x, w)
             row0 = torch.nn.functional.linear(x[:1], w)  # the one-row step's own kernel
             out[f"{name}_{m}"] = {
-                "linear_ms": round(graph_time(lambda: torch.nn.functional.linear(x, w), device), 4),
-                "rows_ms": round(graph_time(lambda: P._rows_product(x, w), device), 4),
+                "linear_ms": round(graph_time(lambda x=x, w=w: torch.nn.functional.linear(x, w), device), 4),
+                "rows_ms": round(graph_time(lambda x=x, w=w: P._rows_product(x, w), device), 4),
                 "linear_err": float((a.double() - ref).abs().max()), "rows_err": float((b.double() - ref).abs().max()),
                 "rows_row0_equals_one_row": bool(torch.equal(b[:1], row0)),
                 "linear_row0_equals_one_row": bool(torch.equal(a[:1], row0))}
@@ -212,13 +212,17 @@ def pipelined_section(lm, device, steps: int) -> dict:
                 if runner is not None:
                     key = runner.bucket(n, 1, span)
                     graph = runner.graphs.get(key) or runner._capture(key)
-                    flat, replay, output = graph.flat, graph.graph.replay, lambda: graph.output
+                    flat, replay, output = graph.flat, graph.graph.replay, lambda graph=graph: graph.output
                 else:  # the CPU dry run: the same loop, each step run eagerly
                     key = (n, 1)
                     flat = pool.pack([], n, 1)
-                    result = {}
-                    replay = lambda: result.update(h=pool.hidden(P.unpack(flat, n, 1, span)))  # noqa: E731
-                    output = lambda: result["h"]  # noqa: E731
+                    result: dict = {}
+
+                    def replay(result=result, flat=flat, n=n, span=span):
+                        result["h"] = pool.hidden(P.unpack(flat, n, 1, span))
+
+                    def output(result=result):
+                        return result["h"]
                 fed = torch.tensor(first, device=device)
                 seen = []
                 for _ in range(steps):
