@@ -3,17 +3,11 @@ must work end to end: every section on a tiny model, one results file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
-def test_the_cpu_dry_run_writes_every_section(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_the_cpu_dry_run_writes_every_section(tmp_path, script):
+    module = script("gpu_check")
     out = tmp_path / "check.json"
     rc = module.main(["--device", "cpu", "--model", "tiny", "--drafters", "ngram,early-exit", "--prompts", "2",
                       "--max-new-tokens", "12", "--batch-steps", "6", "--batch-sizes", "1,3", "--slots", "4",

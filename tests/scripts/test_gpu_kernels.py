@@ -3,17 +3,11 @@ on the CPU must work end to end and write every section."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_kernels.py"
 
 
-def test_the_cpu_dry_run_writes_every_section(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_the_cpu_dry_run_writes_every_section(tmp_path, script):
+    module = script("gpu_kernels")
     out = tmp_path / "kernels.json"
     assert module.main(["--device", "cpu", "--steps", "6", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
