@@ -278,12 +278,13 @@ def batched(args, pools: dict[str, LoadedModel], ids, device, clock, results, re
 def main(argv=None) -> int:
     args = parse_args(argv)
     clock = Clock(args.budget_s)
-    if args.gemv_rows is not None:
-        import specd.models.pool as pool_module
+    import specd.models.pool as pool_module
 
+    if args.gemv_rows is not None:
         pool_module.GEMV_ROWS = args.gemv_rows
     device = torch.device(args.device)
-    results: dict = {"argv": sys.argv[1:], "torch": torch.__version__, "gemv_rows": args.gemv_rows, "python": platform.python_version(),
+    results: dict = {"argv": sys.argv[1:], "torch": torch.__version__, "python": platform.python_version(),
+                     "gemv_rows": pool_module.GEMV_ROWS,
                      "tf32": torch.backends.cuda.matmul.allow_tf32,
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()}
     try:
