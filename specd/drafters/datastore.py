@@ -13,7 +13,9 @@ range the previous one left. Its continuation is the majority path through the m
 occurrences: the most frequent next token, then the most frequent one after it among the
 occurrences that agreed, for as long as a majority agrees.
 
-Memory: 4 bytes per token for the text and 4 for the index (a million tokens: 8 MB).
+Memory: 4 bytes per token for the text, 4 for the index and 4 for each of the index's W - 1
+context columns (a million tokens at W = 8: 36 MB), which make each narrowing a binary search
+on a slice rather than a gather over the range first.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class Datastore:
         first = self.data[self.index]
         self.vocab = int(first.max()) + 1 if first.size else 0
         self.starts = np.searchsorted(first, np.arange(self.vocab + 1)).astype(np.int64)
+        # columns[j - 1][i]: the token j places before the end index[i] (the sort's j-th key)
+        self.columns = [self.data[self.index - j] for j in range(1, width)]
 
     @classmethod
     def from_documents(cls, docs: Iterable[Sequence[int]], width: int = 8,
@@ -160,10 +164,9 @@ class Datastore:
         if lo == hi:
             return self.index[:0], 0
         for j in range(1, min(self.width, len(context))):
-            column = self.data[self.index[lo:hi] - j]  # sorted: earlier columns are equal in the range
-            want = context[len(context) - 1 - j]
-            a = int(np.searchsorted(column, want, "left"))
-            b = int(np.searchsorted(column, want, "right"))
+            column = self.columns[j - 1][lo:hi]  # sorted: earlier columns are equal in the range
+            want = int(context[len(context) - 1 - j])
+            a, b = column.searchsorted((want, want + 1)).tolist()  # integers: want's right edge is want + 1's left
             if a == b:
                 break
             lo, hi, length = lo + a, lo + b, j + 1

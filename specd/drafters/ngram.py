@@ -40,14 +40,17 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     alive = np.flatnonzero(seq[:-1] == seq[-1])  # earlier ends of a 1-token match
     if alive.size == 0:
         return alive, 0
-    length, best = 1, alive
+    # The few occurrences left are narrowed in Python: numpy's per-call cost outweighs the work
+    # here, and this runs before every drafted window (on a GPU a step is only milliseconds).
+    text, ends = seq.tolist(), alive.tolist()
+    length, best = 1, ends
     while length < max_ngram:
-        alive = alive[alive >= length]  # room to extend the match one token further back
-        alive = alive[seq[alive - length] == seq[n - 1 - length]]
-        if alive.size == 0:
+        want = text[n - 1 - length]  # room to extend the match one token further back, and a match
+        ends = [e for e in ends if e >= length and text[e - length] == want]
+        if not ends:
             break
-        length, best = length + 1, alive
-    return best, length
+        length, best = length + 1, ends
+    return np.asarray(best, np.int64), length
 
 
 class NgramSession(DraftSession):

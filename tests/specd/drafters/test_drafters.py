@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specd.drafters import EarlyExitDrafter, NgramDrafter
+from specd.drafters.ngram import suffix_matches
 from specd.models.session import KVSession, hf_forward
 from specd.models.tiny import loaded, tiny_llama
 from specd.sampling import race_row
@@ -22,6 +24,21 @@ def test_ngram_proposes_what_followed_the_most_recent_match():
     assert (d.token, d.q, d.prob, d.entropy) == (5, None, 1.0, 0.0)
     seq.append(d.token)
     assert s.next(seq, GREEDY, None, False).token == 6
+
+
+def test_suffix_matches_finds_every_earlier_end_of_the_longest_suffix():
+    """Against brute force, on random texts over a small alphabet (many repeats)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        seq = rng.integers(0, 4, rng.integers(1, 60))
+        ends, length = suffix_matches(seq, 6)
+        want, want_len = [], 0
+        for m in range(1, 7):
+            found = [e for e in range(m - 1, len(seq) - 1) if list(seq[e - m + 1:e + 1]) == list(seq[-m:])]
+            if not found:
+                break
+            want, want_len = found, m
+        assert length == want_len and ends.tolist() == want and ends.dtype == np.int64
 
 
 def test_ngram_falls_back_to_shorter_ngrams_and_to_nothing():
