@@ -227,7 +227,7 @@ def pipelined_section(lm, device, steps: int) -> dict:
                 seen = []
                 for _ in range(steps):
                     rows = [s.row([0], 1) for s in sessions]  # positions from the host, ids from the device
-                    pool.to_device(pool.pack(rows, key[0], key[1], pin=device.type == "cuda"), flat)
+                    pool.to_device(pool.pack(rows, key[0], key[1]), flat)
                     flat[:n].copy_(fed)
                     replay()
                     for s in sessions:

@@ -86,7 +86,7 @@ class GraphRunner:
             return None
         graph = self.graphs.get(key) or self._capture(key)
         # the whole forward's inputs in one host-to-device copy, which does not wait for the device
-        self.pool.to_device(self.pool.pack(rows, key[0], key[1], pin=True), graph.flat)
+        self.pool.to_device(self.pool.pack(rows, key[0], key[1]), graph.flat)
         graph.graph.replay()
         self.replays += 1
         return graph.output, key[1]

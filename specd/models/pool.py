@@ -163,6 +163,7 @@ class KVPool:
         self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
         self.fused = self.device.type == "cuda" if fused is None else fused
         self.gemv_rows = GEMV_ROWS
+        self.pinned = self.device.type == "cuda"  # host-side inputs in page-locked memory (to_device)
         half = lean.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
@@ -254,7 +255,7 @@ class KVPool:
             if any(r.want_hidden for r in rows):
                 chosen = chosen.clone()  # a graph's output is overwritten by its next replay
         else:
-            chosen = flat[self.to_device(torch.tensor(picks, pin_memory=self.device.type == "cuda"))]
+            chosen = flat[self.to_device(torch.tensor(picks, pin_memory=self.pinned))]
         logits, states = self.head(chosen)
         out, at = [], 0
         for r in rows:
@@ -303,13 +304,13 @@ class KVPool:
         """Key columns a forward must read: up to the furthest position any row writes."""
         return max(r.start + len(r.ids) for r in rows)
 
-    def pack(self, rows: Sequence[PoolRow], batch: int, width: int, pin: bool = False) -> torch.Tensor:
+    def pack(self, rows: Sequence[PoolRow], batch: int, width: int) -> torch.Tensor:
         """The integer inputs of rows in a [batch, width] forward (batch >= len(rows), width >=
         every row's length) as one flat CPU tensor (unpack's layout): padded queries write the
         trash column of their row's slot, padded rows the trash slot; a padded query sees key 0
         only, so its attention stays finite. Built as one Python list and one tensor: on a GPU
-        this host work sits between a step's token and the next step's launch. pin: in page-locked
-        memory, for a copy to the GPU that does not wait for the device."""
+        this host work sits between a step's token and the next step's launch. For a GPU pool the
+        tensor is page-locked, so that its copy to the device does not wait for the device."""
         n = batch * width
         ids, rope, qpos = [0] * n, [0] * n, [0] * n
         write, slots = [self.max_len] * n, [self.trash_slot] * batch
@@ -320,7 +321,7 @@ class KVPool:
             write[at:at + k] = qpos[at:at + k] = pos
             rope[at:at + k] = pos if r.positions is None else r.positions.tolist()
             slots[b] = r.slot
-        return torch.tensor(ids + write + rope + qpos + slots, dtype=torch.long, pin_memory=pin)
+        return torch.tensor(ids + write + rope + qpos + slots, dtype=torch.long, pin_memory=self.pinned)
 
     def to_device(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A packed forward's inputs on the pool's device (into `out` when given). A GPU copy
@@ -333,8 +334,7 @@ class KVPool:
     def inputs(self, rows: Sequence[PoolRow], batch: int, width: int, span: int) -> StepInputs:
         """The padded inputs of rows on the pool's device, reading `span` key columns (span >=
         self.span(rows)); with a draft tree's mask where a row brings one."""
-        cuda = self.device.type == "cuda"
-        x = unpack(self.to_device(self.pack(rows, batch, width, pin=cuda)), batch, width, span)
+        x = unpack(self.to_device(self.pack(rows, batch, width)), batch, width, span)
         first = rows[0].slot if rows else None
         if len(rows) == batch and all(r.slot == first + b for b, r in enumerate(rows)):
             x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
@@ -447,10 +447,10 @@ class KVPool:
         return padded(lean._rms(lean.norm, h))
 
     def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
-        """hidden(), in about 18 kernels a layer instead of about 45: a fused RMSNorm, q and k
-        rotated together, each residual sum written by its matrix product (addmm_), and the g
-        query heads that share a KV head attending as one block of g x T rows, so a forward
-        gathers each row's keys and values once per KV head rather than once per query head."""
+        """hidden(), in far fewer kernels than the exact path: a fused RMSNorm, q and k rotated
+        together, each residual sum written by its matrix product (addmm_), and the g query heads
+        that share a KV head attending as one block of g x T rows, so a forward gathers each row's
+        keys and values once per KV head rather than once per query head."""
         lean = self.lean
         batch, width = x.input_ids.shape
         heads, kv_heads, dim, groups = lean.heads, lean.kv_heads, lean.head_dim, lean.groups
@@ -468,7 +468,7 @@ class KVPool:
         gemv = 1 < batch * width <= self.gemv_rows
 
         def project(a: torch.Tensor, proj) -> torch.Tensor:
-            weight = getattr(proj, "weight", None) if gemv else None
+            weight = proj.weight if gemv else None  # None: a CPU product that keeps only its packed copy
             return proj(a) if weight is None else _rows_product(a, weight)
         h = lean.embed(x.input_ids)
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
