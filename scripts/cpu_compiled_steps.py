@@ -1,8 +1,9 @@
-"""CPU forward times of the KV pool, eager against compiled ahead of time (specd.models.aot), on
-the embedded target (docs/engine.md, "Compiled CPU forwards"): one session's decode step and
+"""CPU forward times of the KV pool, eager against compiled ahead of time (specd.models.aot), the
+latter with torch's products and with specd's few-row product (specd.models.rows), on the
+embedded target (docs/engine.md, "Compiled CPU forwards"): one session's decode step and
 verification windows, and the same for 8 sessions in one forward, after 200-token contexts,
 each including the LM head of the positions a verification reads. Medians of 9 forwards, the
-two pools interleaved. The first run compiles the library (about a minute).
+pools interleaved. The first run compiles the libraries (about a minute each).
 
     python scripts/cpu_compiled_steps.py [--threads N]
 """
@@ -10,11 +11,14 @@ two pools interleaved. The first run compiles the library (about a minute).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
+from specd.models import rows
+from specd.models.embedded import default_cache_dir
 from specd.models.loading import load_model
 from specd.models.pool import pooled_extend
 
@@ -40,19 +44,24 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     pools = {}
-    for mode in ("off", "on"):
+    for name, mode, products in (("eager", "off", None), ("torch", "on", rows.disabled()),
+                                 ("rows", "on", contextlib.nullcontext())):
         model = load_model("embedded", device="cpu", dtype="float32")
-        model.use_pool(8, 1024, compiled=mode)
+        with products or contextlib.nullcontext():
+            model.use_pool(8, 1024, compiled=mode)
         sessions = [model.session() for _ in range(8)]
         for s in sessions:
             s.extend(list(range(100, 100 + CONTEXT)), 1)
-        pools[mode] = sessions
+        pools[name] = sessions
+    if not rows.loaded():
+        raise SystemExit(f"the few-row product did not load: {rows.load(default_cache_dir())}")
     print(f"{torch.get_num_threads()} threads, contexts of {CONTEXT} tokens; ms per forward")
-    print("sessions x tokens | eager | compiled | eager / compiled")
+    print("sessions x tokens | eager | compiled, torch's products | compiled, few-row product | "
+          "eager / few-row | torch's / few-row")
     for batch, width in SHAPES:
-        eager = median_ms(pools["off"][:batch], width)
-        compiled = median_ms(pools["on"][:batch], width)
-        print(f"{batch} x {width} | {eager:.1f} | {compiled:.1f} | {eager / compiled:.2f}x")
+        t = {name: median_ms(sessions[:batch], width) for name, sessions in pools.items()}
+        print(f"{batch} x {width} | {t['eager']:.1f} | {t['torch']:.1f} | {t['rows']:.1f} | "
+              f"{t['eager'] / t['rows']:.2f}x | {t['torch'] / t['rows']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -269,11 +269,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def forwards_of(target) -> str:
+    """How the target's pooled forwards run: eager, or which compiled library or CUDA graphs."""
+    runner = getattr(getattr(target, "pool", None), "runner", None)
+    return "eager" if runner is None else getattr(runner, "key", type(runner).__name__)
+
+
 def curve_key(target, drafter) -> str:
     """What a measured curve is valid for: the pair, where and how it runs, and on what."""
     dtype = next(target.model.parameters()).dtype
     ident = [target.name, drafter.name, str(target.device), str(dtype), torch.get_num_threads(), cpu_model(),
-             torch.__version__, kernels_of(target.model), target.forward_kind()]
+             torch.__version__, kernels_of(target.model), target.forward_kind(), forwards_of(target)]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 

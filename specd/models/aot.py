@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from specd.errors import InvalidRequest
+from specd.models import rows
 from specd.models.pool import KVPool, PoolRow, StepInputs, unpack
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,8 @@ def _source_hash() -> str:
     from specd.models import kernels, lean, pool
 
     h = hashlib.sha256()
-    for module in (kernels, lean, pool):
-        h.update(Path(module.__file__).read_bytes())
-    h.update(Path(__file__).read_bytes())
+    for path in (kernels.__file__, lean.__file__, pool.__file__, rows.__file__, rows.SOURCE, __file__):
+        h.update(Path(path).read_bytes())
     return h.hexdigest()
 
 
@@ -112,7 +112,9 @@ class AotRunner:
         self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
-        self.path = Path(cache_dir) / "aot" / f"{self._key()}.pt2"
+        rows.load(cache_dir)  # the few-row product the library calls, where it builds here
+        self.key = self._key()  # which library: part of the cost curve's key too (specd.costs)
+        self.path = Path(cache_dir) / "aot" / f"{self.key}.pt2"
         self._load_or_compile()
         self._probe()
         pool.runner = self
@@ -123,7 +125,7 @@ class AotRunner:
         # The fused loops' thread count is compiled in: fixed at one, 8 sessions' decode steps ran
         # 10% slower on 2 cores (docs/engine.md), so a library is compiled per thread count.
         what = [torch.__version__, _source_hash(), json.dumps(config, sort_keys=True, default=str), str(p.dtype),
-                MAX_WIDTH, torch.get_num_threads()]
+                MAX_WIDTH, torch.get_num_threads(), rows.loaded()]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
     def _example(self) -> StepInputs:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
+from specd.models import rows
 
 KERNELS = ("auto", "onednn", "torch")
 
@@ -60,6 +61,8 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dtype != torch.float32
                 or x.device.type != "cpu"):  # traced for compilation (specd.models.aot): the plain product
+            if torch.compiler.is_compiling() and self.bias is None:
+                return rows.linear(x, self.weight)
             return F.linear(x, self.weight, self.bias)
         if self._gemv and single_row(x):
             return F.linear(x, self.weight, self.bias)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
+from specd.models import rows
 from specd.models.kernels import PackedLinear, onednn_available, single_row
 
 FORWARDS = ("auto", "lean", "hf")
@@ -143,7 +144,8 @@ def _fused(layers: list[torch.nn.Linear]):
     parts = [m.weight.detach() for m in layers]
 
     def separate(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.linear(x, w) for w in parts], dim=-1)
+        product = rows.linear if torch.compiler.is_compiling() else F.linear
+        return torch.cat([product(x, w) for w in parts], dim=-1)
     if (isinstance(layers[0], PackedLinear) and onednn_available() and parts[0].dtype == torch.float32
             and parts[0].device.type == "cpu"):
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(parts, dim=0), None)

@@ -4,15 +4,17 @@ verification windows and batches of unequal rows; compiled once, then loaded fro
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import replace
 
 import pytest
 import torch
 
-from specd.costs import CostCurve
-from specd.drafters import EarlyExitDrafter, HfDrafter
+from specd.costs import CostCurve, curve_key
+from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
+from specd.models import rows
 from specd.models.aot import AotRunner, compile_supported
 from specd.models.pool import PoolRow, pooled_extend
 from specd.types import SamplingParams, SpecParams
@@ -128,3 +130,29 @@ def test_rows_are_the_pool_rows_a_library_takes(compiled):
     s.extend(_tokens(4, 1), 1)
     hidden, width = compiled.pool.runner.run([PoolRow(s.slot, s.length, [3, 4], 2)], 2, s.length + 2)
     assert hidden.shape[:2] == (1, 2) and width == 2
+
+
+def _calls_rows_product(path) -> bool:
+    with zipfile.ZipFile(path) as package:
+        return any(b"specd::rows_linear" in package.read(name) for name in package.namelist()
+                   if name.endswith((".cpp", ".json")))
+
+
+def test_the_library_calls_the_few_row_product_where_it_builds(tiny_target, aot_cache, compiled):
+    if not rows.loaded():
+        pytest.skip(f"the few-row product cannot be built here: {rows.load(aot_cache)}")
+    assert _calls_rows_product(compiled.pool.runner.path)
+    plain = replace(tiny_target, forward="lean")
+    with rows.disabled():  # torch's products: another library, the same forward
+        plain.use_pool(2, 128, compiled="on", cache_dir=aot_cache)
+    assert plain.pool.runner.path != compiled.pool.runner.path
+    assert not _calls_rows_product(plain.pool.runner.path)
+    a, b = compiled.session(), plain.session()
+    ids = _tokens(12, 5)
+    torch.testing.assert_close(a.extend(ids, 4)[0], b.extend(ids, 4)[0], **TOL)
+
+
+def test_a_compiled_target_keeps_its_own_cost_curve(compiled, eager):
+    """Windows cost differently compiled and eager: a cached curve of one is not the other's."""
+    drafter = NgramDrafter()
+    assert curve_key(compiled, drafter) != curve_key(eager, drafter)

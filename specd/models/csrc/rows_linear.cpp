@@ -1,0 +1,103 @@
+// y = x W^T for a few rows of x (a decoding step or a verification window) on the CPU, float32.
+// Why, and how it is built and loaded: specd/models/rows.py.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef float half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+typedef float quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+
+inline float reduce(vec v) {  // a fixed tree: the same order for every output
+  const half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// RB rows of x against OUTS weight rows: each weight row is read once for all RB rows.
+// Every (row, output) sum runs the same lanes in the same order whatever RB and OUTS are, so a
+// row's result does not depend on how many rows came with it.
+template <int RB, int OUTS>
+inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  vec acc[RB][OUTS] = {};
+  const int64_t body = K - K % kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) {
+    vec wv[OUTS];
+    for (int j = 0; j < OUTS; ++j) wv[j] = load(w + j * K + k);
+    for (int j = 0; j < OUTS; ++j) __builtin_prefetch(w + (OUTS + j) * K + k);  // the next block's rows
+    for (int r = 0; r < RB; ++r) {
+      const vec xv = load(x + r * ldx + k);
+      for (int j = 0; j < OUTS; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int j = 0; j < OUTS; ++j) {
+      float s = reduce(acc[r][j]);
+      for (int64_t k = body; k < K; ++k) s += x[r * ldx + k] * w[j * K + k];
+      y[r * ldy + j] = s;
+    }
+  }
+}
+
+// All rows of x against OUTS weight rows, RB_MAX rows at a time.
+template <int OUTS>
+void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N) {
+  constexpr int RB = OUTS >= 4 ? 4 : 8;
+  int64_t m = 0;
+  for (; m + RB <= M; m += RB) block<RB, OUTS>(x + m * K, K, w, K, y + m * N, N);
+  for (; m + 2 <= M; m += 2) block<2, OUTS>(x + m * K, K, w, K, y + m * N, N);
+  if (m < M) block<1, OUTS>(x + m * K, K, w, K, y + m * N, N);
+}
+
+constexpr int64_t kMaxRows = 48;  // beyond this many rows the tiled product is as fast (measured)
+constexpr int kOuts = 4;  // weight rows a block reads together (measured best of 4 and 8)
+
+at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "rows_linear: float32 only");
+  TORCH_CHECK(w_in.dim() == 2 && x_in.size(-1) == w_in.size(1), "rows_linear: shapes do not match");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
+  if (M > kMaxRows) return at::matmul(x, w.t());  // a large batch: a tiled product does better
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  const int64_t blocks = (N + kOuts - 1) / kOuts;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kOuts;
+      const int64_t outs = std::min<int64_t>(kOuts, N - n);
+      if (outs == kOuts) {
+        outputs<kOuts>(xp, M, wp + n * K, K, yp + n, N);
+      } else {
+        for (int64_t j = 0; j < outs; ++j) outputs<1>(xp, M, wp + (n + j) * K, K, yp + n + j, N);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specd, m) {
+  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specd, CPU, m) {
+  m.impl("rows_linear", &rows_linear);
+}

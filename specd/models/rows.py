@@ -1,0 +1,132 @@
+"""A float32 product for the few rows of a CPU decode step or verification window, reading each
+weight row once for all of them (specd/models/csrc/rows_linear.cpp).
+
+The compiled CPU forward (specd.models.aot) is bound by streaming the weights from memory. MKL's
+product reaches that bound for one row, but from 4 rows up it packs the weight again on every
+call, so a 4-row verification window cost about 1.6 times a decoding step (docs/engine.md,
+"Compiled CPU forwards"). This product reads a block of four weight rows once, multiplies it
+into every input row while it is in cache, and prefetches the next block; a window of a few rows
+then costs about what a step does.
+
+Each output is one vector of partial sums over the input in the same order, reduced by a fixed
+tree, whatever the number of rows: a row's result does not depend on which rows came with it,
+so a verification window's products equal the decoding steps' bit for bit.
+
+The operator is compiled with the machine's C++ compiler (`-O3 -march=native`, the machine's own
+vector width) the first time it is needed and kept under `<cache dir>/ops/`, keyed by its
+source, torch's version and the CPU. The compiled forward's library calls it by name, so it is
+loaded (`load`) before a library that uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "rows_linear.cpp"
+_state: dict[str, str | None] = {}  # "reason": why the operator is not loaded ("" once it is)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _key() -> str:
+    from specd.costs import cpu_model
+
+    what = [SOURCE.read_text(), torch.__version__, cpu_model(), _cpu_flags()]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
+
+def _build(out: Path, compiler: str) -> None:
+    from torch.utils import cpp_extension
+
+    lib = Path(torch.__file__).parent / "lib"
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(out),
+           f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+
+
+def load(cache_dir: Path) -> str | None:
+    """Build (once per machine) and load the operator; None when torch.ops.specd.rows_linear is
+    ready, else why not (the caller keeps torch's product)."""
+    if "reason" in _state:
+        return _state["reason"] or None
+    reason = None
+    compiler = _compiler()
+    if compiler is None:
+        reason = "no C++ compiler (g++) on this machine"
+    else:
+        path = Path(cache_dir) / "ops" / f"rows_linear-{_key()}.so"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together build it once
+                if not path.is_file():
+                    tmp = path.with_suffix(f".tmp{os.getpid()}.so")
+                    _build(tmp, compiler)
+                    tmp.replace(path)
+            torch.ops.load_library(str(path))
+            torch.library.register_fake("specd::rows_linear")(_shape)
+        except Exception as e:  # noqa: BLE001 (a compiler or loader failure: torch's product still works)
+            reason = f"{type(e).__name__}: {e}"
+    _state["reason"] = reason or ""
+    if reason:
+        log.warning("few-row CPU product unavailable, compiled forwards use torch's: %s", reason)
+    return reason
+
+
+def loaded() -> bool:
+    return _state.get("reason") == ""
+
+
+@contextlib.contextmanager
+def disabled():
+    """Forwards traced inside use torch's product (scripts/cpu_compiled_steps.py compares)."""
+    saved = _state.get("reason")
+    _state["reason"] = "disabled"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _state["reason"]
+        else:
+            _state["reason"] = saved
+
+
+def _shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T: the few-row operator where it is loaded and fits (float32 on the CPU), else
+    torch's product."""
+    if loaded() and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu":
+        return torch.ops.specd.rows_linear(x, weight)
+    return F.linear(x, weight)

@@ -1,0 +1,63 @@
+"""The few-row CPU product (specd.models.rows): equal to torch's within float32 rounding for any
+row count and shape, and a row's result independent of the rows that came with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specd.models import rows
+
+# Sizes that exercise every path: whole vector blocks and a tail (K), whole four-output blocks
+# and a partial one (N), row groups of 4, 2 and 1, and the tiled fallback beyond 48 rows.
+SHAPES = [(576, 192), (70, 13), (16, 4), (5, 3)]
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 17, 33, 48, 49, 64]
+
+
+@pytest.fixture(scope="module")
+def product(tmp_path_factory):
+    reason = rows.load(tmp_path_factory.mktemp("ops"))
+    if reason is not None:
+        pytest.skip(f"the operator cannot be built here: {reason}")
+    return torch.ops.specd.rows_linear
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_equals_torch_product_for_every_row_count(product, k, n):
+    gen = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=gen)
+    for m in ROW_COUNTS:
+        x = torch.randn(2, m, k, generator=gen)  # a batch of windows: [B, T, K]
+        out = product(x, w)
+        assert out.shape == (2, m, n)
+        torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(product, k, n):
+    """A verification window's products equal the decoding steps' bit for bit (up to 48 rows)."""
+    gen = torch.Generator().manual_seed(k + n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(48, k, generator=gen)
+    alone = torch.cat([product(x[i:i + 1], w) for i in range(48)])
+    for m in (2, 3, 4, 5, 8, 17, 48):
+        assert torch.equal(product(x[:m], w), alone[:m]), m
+
+
+def test_takes_strided_inputs_and_refuses_other_dtypes(product):
+    w = torch.randn(24, 32)
+    x = torch.randn(32, 6).t()  # not contiguous
+    torch.testing.assert_close(product(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(product(x, w.t().contiguous().t()), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        product(x.double(), w.double())
+
+
+def test_linear_uses_the_operator_only_where_it_fits(product):
+    w, x = torch.randn(8, 16), torch.randn(3, 16)
+    assert torch.equal(rows.linear(x, w), product(x, w))
+    torch.testing.assert_close(rows.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+    with rows.disabled():
+        assert not rows.loaded()
+        assert torch.equal(rows.linear(x, w), F.linear(x, w))
+    assert rows.loaded()
