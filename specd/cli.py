@@ -64,9 +64,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                                                    "(auto: float32, the lossless choice; bfloat16 "
                                                    "output may drift from the target alone by rounding)")
-    p.add_argument("--linear-kernels", default="auto", choices=["auto", "onednn", "torch"],
-                   help="auto: oneDNN with weights packed at load time for a float32 model on the CPU "
-                        "(faster there: docs/engine.md); torch: PyTorch's default kernels")
+    p.add_argument("--linear-kernels", default="auto", choices=["auto", "rows", "onednn", "torch"],
+                   help="auto: for a float32 model on the CPU, specd's few-row product (rows, built with "
+                        "the machine's C++ compiler on first use) or else oneDNN with weights packed at "
+                        "load time (faster there: docs/engine.md); torch: PyTorch's default kernels")
     p.add_argument("--forward", default="auto", choices=["auto", "lean", "hf"],
                    help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
                         "Llama on the CPU (transformers' logits bit for bit, faster a step: "

@@ -55,9 +55,10 @@ class ModelFields(BaseSettings):
                                                "shard: layers spread over every visible GPU)")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads (0: torch's default)")
-    linear_kernels: str = Field("auto", pattern="^(auto|onednn|torch)$",
-                                description="auto | onednn | torch (auto: oneDNN with weights packed at "
-                                            "load time for a float32 model on the CPU)")
+    linear_kernels: str = Field("auto", pattern="^(auto|rows|onednn|torch)$",
+                                description="auto | rows | onednn | torch (auto: for a float32 model on the "
+                                            "CPU, specd's few-row product where it builds, else oneDNN "
+                                            "with weights packed at load time)")
     forward: str = Field("auto", pattern="^(auto|lean|hf)$",
                          description="auto | lean | hf (auto: specd's lean Llama forward for a float32 "
                                      "Llama on the CPU, transformers' logits bit for bit)")

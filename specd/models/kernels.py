@@ -1,29 +1,33 @@
-"""Linear kernels for CPU float32: oneDNN with weights packed once, at load time.
+"""Linear kernels for CPU float32: specd's few-row product, or oneDNN with weights packed once.
 
 PyTorch's default CPU linear (MKL sgemm) is slow exactly where speculative decoding lives: it
 runs 2-3 rows as repeated matrix-vector products and packs the weight again on every call
-above that, so a verification window costs far more than a decoding step. oneDNN with the
-weight reordered once into its blocked layout costs about the same for any of 1-8 rows
-(docs/engine.md, "Linear kernels on the CPU", has the measurements).
+above that, so a verification window costs far more than a decoding step.
 
-Outputs differ from MKL's in the last bits (at most 3e-6 with random weights of the embedded model's shapes), as
-MKL's own matrix-vector and matrix-matrix paths differ from each other; greedy identity with
-target-alone decoding is checked end to end, as before.
+`rows` (specd.models.rows) reads each weight row once for all of a forward's rows, so a window
+of a few rows costs about what one row does, and one row streams the weight as fast as MKL's
+matrix-vector product; it needs nothing but the weight itself. `auto` runs it on float32 CPU
+models wherever it builds (a C++ compiler; built once per machine), else `onednn`.
 
-One row is the exception where MKL's matrix-vector product streams the weight faster than the
-blocked kernel (a decoding step on an Intel Xeon; not on the AMD EPYC the packing was first
-measured on): `auto` times both on the model's own layers at load time and, where MKL's is
-faster, runs single rows through it (`PackedLinear._gemv`). Windows keep the packed kernel.
+`onednn`: the weight reordered once into oneDNN's blocked layout costs about the same for any of
+1-8 rows (docs/engine.md, "Linear kernels on the CPU", has the measurements). One row is the
+exception where MKL's matrix-vector product streams the weight faster than the blocked kernel
+(a decoding step on an Intel Xeon; not on the AMD EPYC the packing was first measured on): the
+layers are timed at load time and, where MKL's is faster, single rows run through it
+(`PackedLinear._gemv`). The pack is a second copy of each weight (the original stays: tied
+embeddings, the drafters' reduced heads and training read it); a weight changed in place is
+packed again on its next call.
 
-The pack is a second copy of each weight (the original stays: tied embeddings, the drafters'
-reduced heads and training read it). A weight changed in place is packed again on its next
-call. With gradients enabled (training through frozen layers) the layer runs the default
-kernel, which has a backward.
+Outputs differ from MKL's in the last bits (at most 3e-6 with random weights of the embedded
+model's shapes), as MKL's own matrix-vector and matrix-matrix paths differ from each other;
+greedy identity with target-alone decoding is checked end to end. With gradients enabled
+(training through frozen layers) every layer runs the default kernel, which has a backward.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from specd.errors import InvalidRequest
 from specd.models import rows
 
-KERNELS = ("auto", "onednn", "torch")
+KERNELS = ("auto", "rows", "onednn", "torch")
 
 
 def onednn_available() -> bool:
@@ -71,6 +75,17 @@ class PackedLinear(torch.nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
+class RowsLinear(torch.nn.Linear):
+    """An nn.Linear whose float32 CPU inference forward runs specd's few-row product (made by
+    swapping the class of an existing layer, like PackedLinear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        y = rows.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
 def single_row(x: torch.Tensor) -> bool:
     """One row of inputs (a decoding step), which `_gemv` layers run through F.linear."""
     return x.numel() == x.shape[-1]
@@ -92,24 +107,34 @@ def check_kernels(kernels: str) -> None:
         raise InvalidRequest("linear_kernels", f"unknown kernels {kernels!r} ({', '.join(KERNELS)})")
 
 
-def use_kernels(model: torch.nn.Module, kernels: str = "auto") -> str:
+def use_kernels(model: torch.nn.Module, kernels: str = "auto", cache_dir: Path | None = None) -> str:
     """Apply the linear kernels to every nn.Linear of a model in place; returns what it uses.
-    auto: onednn for a float32 model on the CPU where PyTorch has oneDNN, else torch."""
+    auto: rows for a float32 model on the CPU where the operator builds (under cache_dir), else
+    onednn where PyTorch has oneDNN, else torch."""
     check_kernels(kernels)
     params = next(model.parameters(), None)
     fits = params is not None and params.device.type == "cpu" and params.dtype == torch.float32
-    if kernels == "onednn" and not (fits and onednn_available()):
-        raise InvalidRequest("linear_kernels", "onednn needs a float32 model on the CPU and a PyTorch "
-                                               "built with oneDNN")
+    for m in model.modules():  # back to plain layers, then the chosen kind
+        if isinstance(m, (PackedLinear, RowsLinear)):
+            m.__class__ = torch.nn.Linear
+            m.__dict__.pop("_packed", None)
+            m.__dict__.pop("_packed_from", None)
+    if kernels in ("auto", "rows") and fits:
+        reason = rows.load(cache_dir)
+        if reason is None:
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.__class__ = RowsLinear
+            return "rows"
+        if kernels == "rows":
+            raise InvalidRequest("linear_kernels", f"the few-row product cannot run here: {reason}")
+    if kernels in ("onednn", "rows") and not (fits and onednn_available()):
+        raise InvalidRequest("linear_kernels", f"{kernels} needs a float32 model on the CPU"
+                             + (" and a PyTorch built with oneDNN" if kernels == "onednn" else ""))
     if kernels == "torch" or not (fits and onednn_available()):
-        for m in model.modules():
-            if isinstance(m, PackedLinear):
-                m.__class__ = torch.nn.Linear
-                m.__dict__.pop("_packed", None)
-                m.__dict__.pop("_packed_from", None)
         return "torch"
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and not isinstance(m, PackedLinear):
+        if isinstance(m, torch.nn.Linear):
             pack_linear(m)
     gemv = kernels == "auto" and single_rows_faster_unpacked(model)
     for m in model.modules():
@@ -158,8 +183,10 @@ def single_rows_faster_unpacked(model: torch.nn.Module, layers: int = 6, repeats
 
 
 def kernels_of(model: torch.nn.Module) -> str:
-    """Which linear kernels a model runs: onednn if its layers are packed ("onednn+gemv" where
-    single rows run unpacked), else torch."""
+    """Which linear kernels a model runs: rows, onednn if its layers are packed ("onednn+gemv"
+    where single rows run unpacked), else torch."""
+    if any(isinstance(m, RowsLinear) for m in model.modules()):
+        return "rows"
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not packed:
         return "torch"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
 from specd.models import rows
-from specd.models.kernels import PackedLinear, onednn_available, single_row
+from specd.models.kernels import PackedLinear, RowsLinear, onednn_available, single_row
 
 FORWARDS = ("auto", "lean", "hf")
 _MIN_CAPACITY = 256
@@ -137,15 +137,21 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def _fused(layers: list[torch.nn.Linear]):
-    """One product whose output is the given linears' outputs side by side. With oneDNN
-    kernels only the packed copy is kept (the lean forward runs in inference mode only); where
-    single rows run unpacked (PackedLinear._gemv), and when the forward is traced for
-    compilation (specd.models.aot), rows go through each linear's own weight."""
+    """One product whose output is the given linears' outputs side by side. With the few-row
+    product (RowsLinear) each linear's own weight is read, as when the forward is traced for
+    compilation (specd.models.aot), and where single rows run unpacked (PackedLinear._gemv).
+    With oneDNN kernels only the packed copy is kept (the lean forward runs in inference mode
+    only)."""
     parts = [m.weight.detach() for m in layers]
+    few_rows = isinstance(layers[0], RowsLinear)
 
     def separate(x: torch.Tensor) -> torch.Tensor:
-        product = rows.linear if torch.compiler.is_compiling() else F.linear
+        few = (few_rows or torch.compiler.is_compiling()) and not torch.is_grad_enabled()
+        product = rows.linear if few else F.linear
         return torch.cat([product(x, w) for w in parts], dim=-1)
+    if few_rows:  # no concatenated copy to keep
+        separate.weight = None
+        return separate
     if (isinstance(layers[0], PackedLinear) and onednn_available() and parts[0].dtype == torch.float32
             and parts[0].device.type == "cpu"):
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(parts, dim=0), None)

@@ -165,8 +165,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
-    linear_kernels: auto | onednn | torch (specd/models/kernels.py; auto packs the weights for
-    oneDNN on a float32 CPU model). forward: auto | lean | hf (specd/models/lean.py; auto runs
+    linear_kernels: auto | rows | onednn | torch (specd/models/kernels.py; auto runs specd's
+    few-row product on a float32 CPU model where it builds, else oneDNN with packed weights). forward: auto | lean | hf (specd/models/lean.py; auto runs
     the lean Llama forward on the CPU). cuda_graphs: auto | on | off (auto: on a CUDA device,
     for a model the lean forward supports, sessions open in a KV pool whose forwards are
     captured in CUDA graphs on first use, specd/models/graphs.py). tensor_parallel: this
@@ -212,7 +212,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         if not supports(model):
             raise InvalidRequest("tensor_parallel", "tensor parallelism needs a plain Llama model (the lean forward)")
         shard_llama(model, tensor_parallel)
-    use_kernels(model, linear_kernels)
+    use_kernels(model, linear_kernels, cache_dir)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -68,16 +68,21 @@ def _build(out: Path, compiler: str) -> None:
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(out),
            f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
 
 
-def load(cache_dir: Path) -> str | None:
-    """Build (once per machine) and load the operator; None when torch.ops.specd.rows_linear is
-    ready, else why not (the caller keeps torch's product)."""
+def load(cache_dir: Path | None = None) -> str | None:
+    """Build (once per machine, under cache_dir, default $SPECD_CACHE_DIR or ~/.cache/specd) and
+    load the operator; None when torch.ops.specd.rows_linear is ready, else why not (the caller
+    keeps another product)."""
     if "reason" in _state:
         return _state["reason"] or None
+    if cache_dir is None:
+        from specd.models.embedded import default_cache_dir
+
+        cache_dir = default_cache_dir()
     reason = None
     compiler = _compiler()
     if compiler is None:
@@ -98,7 +103,7 @@ def load(cache_dir: Path) -> str | None:
             reason = f"{type(e).__name__}: {e}"
     _state["reason"] = reason or ""
     if reason:
-        log.warning("few-row CPU product unavailable, compiled forwards use torch's: %s", reason)
+        log.warning("few-row CPU product unavailable (oneDNN or torch's products instead): %s", reason)
     return reason
 
 

@@ -1,4 +1,5 @@
-"""oneDNN linear kernels with weights packed at load time (specd/models/kernels.py)."""
+"""Linear kernels (specd/models/kernels.py): specd's few-row product, and oneDNN with weights
+packed at load time."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import torch
 
 from specd.errors import InvalidRequest
 from specd.models import load_model
-from specd.models.kernels import PackedLinear, kernels_of, onednn_available, use_kernels
+from specd.models import rows
+from specd.models.kernels import PackedLinear, RowsLinear, kernels_of, onednn_available, use_kernels
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def few_rows():
+    reason = rows.load()
+    if reason is not None:
+        pytest.skip(f"the few-row product cannot be built here: {reason}")
 
 
 def _layers():
@@ -26,7 +35,7 @@ def test_packed_layers_compute_what_the_default_kernels_compute():
     x = torch.randn(2, 5, 64)
     with torch.inference_mode():
         want = model(x)
-        assert use_kernels(model) == "onednn" and kernels_of(model) == "onednn"
+        assert use_kernels(model, "onednn") == "onednn" and kernels_of(model) == "onednn"
         assert all(isinstance(m, PackedLinear) for m in model)
         got = model(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -36,7 +45,7 @@ def test_packed_layers_compute_what_the_default_kernels_compute():
 @needs_onednn
 def test_a_weight_changed_in_place_is_packed_again():
     model = _layers()
-    use_kernels(model)
+    use_kernels(model, "onednn")
     x = torch.randn(3, 64)
     with torch.inference_mode():
         before = model(x)
@@ -52,9 +61,14 @@ def test_a_weight_changed_in_place_is_packed_again():
 
 
 @needs_onednn
-def test_training_runs_the_default_kernel_with_its_backward():
+@pytest.mark.parametrize("kernels", ["onednn", "rows"])
+def test_training_runs_the_default_kernel_with_its_backward(kernels, request):
+    if kernels == "onednn" and not onednn_available():
+        pytest.skip("this PyTorch has no oneDNN")
+    if kernels == "rows":
+        request.getfixturevalue("few_rows")
     model = _layers()
-    use_kernels(model)
+    use_kernels(model, kernels)
     x = torch.randn(4, 64, requires_grad=True)
     model(x).sum().backward()
     assert x.grad is not None and model[0].weight.grad is not None
@@ -63,7 +77,7 @@ def test_training_runs_the_default_kernel_with_its_backward():
 @needs_onednn
 def test_copies_and_pickles_rebuild_the_pack():
     model = _layers()
-    use_kernels(model)
+    use_kernels(model, "onednn")
     x = torch.randn(2, 64)
     buf = io.BytesIO()
     torch.save(model, buf)
@@ -89,20 +103,35 @@ def test_torch_kernels_undo_the_pack_and_unknown_kernels_are_named():
 def test_half_precision_models_keep_the_default_kernels():
     model = _layers().to(torch.bfloat16)
     assert use_kernels(model) == "torch"
-    with pytest.raises(InvalidRequest, match="linear_kernels"):
-        use_kernels(model, "onednn")
+    for kernels in ("onednn", "rows"):
+        with pytest.raises(InvalidRequest, match="linear_kernels"):
+            use_kernels(model, kernels)
 
 
-@needs_onednn
-def test_load_model_packs_by_default(tiny_dirs):
-    assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu").model) == "onednn"
+def test_load_model_runs_the_few_row_product_by_default(tiny_dirs, few_rows):
+    assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu").model) == "rows"
     assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu", linear_kernels="torch").model) == "torch"
+    if onednn_available():
+        assert kernels_of(load_model(str(tiny_dirs[0]), device="cpu", linear_kernels="onednn").model) == "onednn"
 
 
-@needs_onednn
-def test_the_suites_tiny_models_run_the_packed_kernels(tiny_target, tiny_draft):
+def test_the_suites_tiny_models_run_the_few_row_product(tiny_target, tiny_draft, few_rows):
     """Every lossless engine test on the tiny pair then checks the kernels production runs."""
-    assert kernels_of(tiny_target.model) == "onednn" and kernels_of(tiny_draft.model) == "onednn"
+    assert kernels_of(tiny_target.model) == "rows" and kernels_of(tiny_draft.model) == "rows"
+
+
+def test_few_row_layers_compute_what_the_default_kernels_compute(few_rows):
+    model = _layers()
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        want = model(x)
+        assert use_kernels(model) == "rows" and kernels_of(model) == "rows"
+        assert all(isinstance(m, RowsLinear) for m in model)
+        got = model(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model[:1](x[:1, :1]), model[:1](x)[:1, :1])  # a row alone or among others: the same
+    assert model.state_dict().keys() == {"0.weight", "0.bias", "1.weight"}  # nothing extra saved
+    assert use_kernels(model, "torch") == "torch" and all(type(m) is torch.nn.Linear for m in model)
 
 
 def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed():
