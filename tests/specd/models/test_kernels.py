@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models import load_model
-from specd.models import rows
+from specd.models import load_model, rows
 from specd.models.kernels import PackedLinear, RowsLinear, kernels_of, onednn_available, use_kernels
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
