@@ -23,14 +23,16 @@ from specd.models.loading import load_model
 from specd.models.pool import pooled_extend
 
 CONTEXT = 200
-SHAPES = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 17), (8, 1), (8, 4)]  # (sessions, tokens each)
+# tokens of each session in one forward: decode steps, windows, and 8 sessions whose windows join
+# others' decode steps (rows of unequal length, as a loaded target service batches them)
+SHAPES = [[1], [2], [4], [8], [17], [1] * 8, [4] * 8, [1, 4, 1, 5, 1, 1, 3, 1]]
 
 
-def median_ms(sessions, width: int, repeats: int = 9) -> float:
+def median_ms(sessions, widths: list[int], repeats: int = 9) -> float:
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        pooled_extend(sessions, [[5] * width] * len(sessions), [width] * len(sessions))
+        pooled_extend(sessions, [[5] * w for w in widths], widths)
         times.append(time.perf_counter() - t0)
         for s in sessions:
             s.rollback(CONTEXT)
@@ -56,11 +58,11 @@ def main() -> None:
     if not rows.loaded():
         raise SystemExit(f"the few-row product did not load: {rows.load(default_cache_dir())}")
     print(f"{torch.get_num_threads()} threads, contexts of {CONTEXT} tokens; ms per forward")
-    print("sessions x tokens | eager | compiled, torch's products | compiled, few-row product | "
+    print("tokens per session | eager | compiled, torch's products | compiled, few-row product | "
           "eager / few-row | torch's / few-row")
-    for batch, width in SHAPES:
-        t = {name: median_ms(sessions[:batch], width) for name, sessions in pools.items()}
-        print(f"{batch} x {width} | {t['eager']:.1f} | {t['torch']:.1f} | {t['rows']:.1f} | "
+    for widths in SHAPES:
+        t = {name: median_ms(sessions[:len(widths)], widths) for name, sessions in pools.items()}
+        print(f"{widths} | {t['eager']:.1f} | {t['torch']:.1f} | {t['rows']:.1f} | "
               f"{t['eager'] / t['rows']:.2f}x | {t['torch'] / t['rows']:.2f}x")
 
 

@@ -35,6 +35,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -67,15 +68,16 @@ def check_cpu_compile(mode: str) -> None:
 
 class _Step(torch.nn.Module):
     """What is exported: the pool's forward over explicit inputs. The key span is the length of
-    `span_like`, so that it is a symbolic size, not a constant of the trace."""
+    `span_like`, so that it is a symbolic size, not a constant of the trace. `real`: the flat
+    indices of the real queries (the packed layout, KVPool.hidden), every index for equal rows."""
 
     def __init__(self, pool: KVPool):
         super().__init__()
         self.pool = pool
 
-    def forward(self, ids, write, rope, qpos, slots, span_like, kv):
+    def forward(self, ids, write, rope, qpos, slots, span_like, real, kv):
         layers = len(kv) // 2
-        x = StepInputs(ids, write, rope, slots, qpos, span_like.shape[0])
+        x = StepInputs(ids, write, rope, slots, qpos, span_like.shape[0], packed=real)
         return self.pool.hidden(x, kv[:layers], kv[layers:])
 
 
@@ -110,6 +112,7 @@ class AotRunner:
         self.pool = pool
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
         self._spans = torch.empty(pool.max_len)
+        self._every = torch.arange(MAX_WIDTH * (pool.num_slots + 1))  # `real` of equal rows: a slice of it
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         rows.load(cache_dir)  # the few-row product the library calls, where it builds here
@@ -129,13 +132,22 @@ class AotRunner:
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
     def _example(self) -> StepInputs:
-        """Two padded rows of width two over three key columns (sizes above 1, which a trace
-        would otherwise take as constants): writes only the pool's trash slot."""
-        return unpack(self.pool.pack([], 2, 2), 2, 2, 3)
+        """Two padded rows of width two over three key columns, three of the four queries real
+        (sizes above 1, which a trace would otherwise take as constants): writes only the
+        pool's trash slot."""
+        x = unpack(self.pool.pack([], 2, 2), 2, 2, 3)
+        return replace(x, packed=torch.tensor([0, 2, 3]))
 
     def _args(self, x: StepInputs) -> tuple:
         """The library's inputs for a forward (_Step.forward's order)."""
-        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], self.kv)
+        batch, width = x.input_ids.shape
+        if x.packed is not None:
+            real = x.packed
+        elif batch * width <= len(self._every):
+            real = self._every[:batch * width]
+        else:
+            real = torch.arange(batch * width)
+        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], real, self.kv)
 
     def _load_or_compile(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,8 +178,9 @@ class AotRunner:
         slots, columns = Dim("slots", min=2, max=MAX_POOL_DIM), Dim("columns", min=3, max=MAX_POOL_DIM)
         batch, width, span = Dim("batch", min=1, max=MAX_POOL_DIM), Dim("width", min=1, max=MAX_WIDTH), \
             Dim("span", min=1, max=MAX_POOL_DIM)
+        real = Dim("real", min=2, max=MAX_POOL_DIM)
         rows = {0: batch, 1: width}
-        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, [{0: slots, 2: columns}] * len(self.kv))
+        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Step(p), self._args(self._example()), dynamic_shapes=shapes)
@@ -204,14 +217,15 @@ class AotRunner:
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
         """hidden [B, T, H] of rows and the width T; None (the pool then runs the forward eagerly)
-        when it is wider than MAX_WIDTH, or when the eager forward has a cheaper layout for it:
-        rows of unequal length (projections over the real tokens only) or contexts of very
-        different lengths (attention in groups), KVPool.hidden."""
-        unequal = len(rows) > 1 and (any(len(r.ids) != width for r in rows) or self.pool._span_groups(rows))
-        if width > MAX_WIDTH or not rows or unequal:
+        when it is wider than MAX_WIDTH, or when its rows' contexts differ so much in length that
+        the eager forward's attention in groups is cheaper (KVPool.hidden). Rows of unequal
+        length run packed: the projections see the real tokens only."""
+        if width > MAX_WIDTH or not rows or (len(rows) > 1 and self.pool._span_groups(rows)):
             self.eager += 1
             return None
         x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)
+        if any(len(r.ids) != width for r in rows):
+            x = replace(x, packed=torch.tensor([b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]))
         self.runs += 1
         return self.library(*self._args(x)), width
 

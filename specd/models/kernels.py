@@ -114,23 +114,24 @@ def use_kernels(model: torch.nn.Module, kernels: str = "auto", cache_dir: Path |
     check_kernels(kernels)
     params = next(model.parameters(), None)
     fits = params is not None and params.device.type == "cpu" and params.dtype == torch.float32
+    if kernels == "rows" and not fits:
+        raise InvalidRequest("linear_kernels", "rows needs a float32 model on the CPU")
+    if kernels == "onednn" and not (fits and onednn_available()):
+        raise InvalidRequest("linear_kernels", "onednn needs a float32 model on the CPU and a PyTorch "
+                                               "built with oneDNN")
+    reason = rows.load(cache_dir) if kernels in ("auto", "rows") and fits else "not asked for"
+    if kernels == "rows" and reason is not None:
+        raise InvalidRequest("linear_kernels", f"the few-row product cannot run here: {reason}")
     for m in model.modules():  # back to plain layers, then the chosen kind
         if isinstance(m, (PackedLinear, RowsLinear)):
             m.__class__ = torch.nn.Linear
             m.__dict__.pop("_packed", None)
             m.__dict__.pop("_packed_from", None)
-    if kernels in ("auto", "rows") and fits:
-        reason = rows.load(cache_dir)
-        if reason is None:
-            for m in model.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.__class__ = RowsLinear
-            return "rows"
-        if kernels == "rows":
-            raise InvalidRequest("linear_kernels", f"the few-row product cannot run here: {reason}")
-    if kernels in ("onednn", "rows") and not (fits and onednn_available()):
-        raise InvalidRequest("linear_kernels", f"{kernels} needs a float32 model on the CPU"
-                             + (" and a PyTorch built with oneDNN" if kernels == "onednn" else ""))
+    if reason is None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.__class__ = RowsLinear
+        return "rows"
     if kernels == "torch" or not (fits and onednn_available()):
         return "torch"
     for m in model.modules():

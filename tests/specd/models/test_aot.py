@@ -1,6 +1,7 @@
 """Pooled forwards compiled ahead of time for the CPU (specd.models.aot): one library for every
 shape, equal to the eager pool's forward (logits close, greedy identical) for decode steps,
-verification windows and batches of unequal rows; compiled once, then loaded from the cache."""
+verification windows and batches of unequal rows (packed); compiled once, then loaded from the
+cache."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batche
             ids = _tokens(n, 10 + step)
             torch.testing.assert_close(a.extend(ids, n)[0], b.extend(ids, n)[0], **TOL)
     assert runner.runs == runs + 12
-    # batches over several slots: equal rows (compiled), then rows of different lengths (eager,
-    # whose packed layout runs only their real tokens)
+    # batches over several slots: equal rows, then rows of different lengths (packed: the
+    # projections run only their real tokens), both compiled
     for new, compiled_batch in (([_tokens(2, 20), _tokens(2, 21), _tokens(2, 22)], True),
-                                ([_tokens(1, 23), _tokens(6, 24), _tokens(3, 25)], False)):
+                                ([_tokens(1, 23), _tokens(6, 24), _tokens(3, 25)], True)):
         runs = runner.runs
         wanted = [len(ids) for ids in new]
         got = pooled_extend([a for a, _ in pairs], new, wanted)
@@ -79,6 +80,22 @@ def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batche
         b.rollback(b.length - 3)
         torch.testing.assert_close(a.extend([7], 1)[0], b.extend([7], 1)[0], **TOL)
     assert runner.runs == runs + 3  # the steps after a rollback ran compiled
+
+
+def test_rows_whose_contexts_differ_widely_run_eagerly_in_groups(compiled, eager):
+    """The eager forward attends in groups there (KVPool._span_groups), cheaper than every row
+    attending over the longest context."""
+    pairs = [(compiled.session(), eager.session()) for _ in range(2)]
+    for (a, b), prefix in zip(pairs, (_tokens(30, 7), _tokens(3, 8))):
+        a.extend(prefix, 1)
+        b.extend(prefix, 1)
+    before = compiled.pool.runner.eager
+    new = [_tokens(2, 9), _tokens(1, 10)]
+    got = pooled_extend([a for a, _ in pairs], new, [2, 1])
+    want = pooled_extend([b for _, b in pairs], new, [2, 1])
+    for (x, _), (y, _) in zip(got, want):
+        torch.testing.assert_close(x, y, **TOL)
+    assert compiled.pool.runner.eager == before + 1
 
 
 def test_a_prefill_wider_than_the_library_runs_eagerly(compiled, eager):
