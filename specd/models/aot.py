@@ -178,7 +178,7 @@ class AotRunner:
         slots, columns = Dim("slots", min=2, max=MAX_POOL_DIM), Dim("columns", min=3, max=MAX_POOL_DIM)
         batch, width, span = Dim("batch", min=1, max=MAX_POOL_DIM), Dim("width", min=1, max=MAX_WIDTH), \
             Dim("span", min=1, max=MAX_POOL_DIM)
-        real = Dim("real", min=2, max=MAX_POOL_DIM)
+        real = Dim("real", min=1, max=MAX_POOL_DIM)
         rows = {0: batch, 1: width}
         shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv))
         with torch.no_grad(), warnings.catch_warnings():
