@@ -3,10 +3,10 @@ weight row once for all of them (specd/models/csrc/rows_linear.cpp).
 
 The compiled CPU forward (specd.models.aot) is bound by streaming the weights from memory. MKL's
 product reaches that bound for one row, but from 4 rows up it packs the weight again on every
-call, so a 4-row verification window cost about 1.6 times a decoding step (docs/engine.md,
-"Compiled CPU forwards"). This product reads a block of four weight rows once, multiplies it
-into every input row while it is in cache, and prefetches the next block; a window of a few rows
-then costs about what a step does.
+call, so a verification window cost far more than a decoding step (docs/engine.md, "The
+few-row product", has the measurements). This product reads a block of four weight rows once,
+multiplies it into every input row while it is in cache, and prefetches the next block; a
+window of a few rows then costs about what a step does.
 
 Each output is one vector of partial sums over the input in the same order, reduced by a fixed
 tree, whatever the number of rows: a row's result does not depend on which rows came with it,
