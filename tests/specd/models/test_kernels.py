@@ -154,3 +154,13 @@ def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed(
         assert torch.equal(layer(rows), packed_rows)  # a window keeps the packed kernel
         torch.testing.assert_close(layer(row), torch.ops.mkldnn._linear_pointwise(row, layer._packed, None, "none",
                                                                                    [], ""))
+
+
+def test_where_the_few_row_product_cannot_run_auto_falls_back_and_rows_is_refused(few_rows):
+    """A machine without a C++ compiler (or a failed build): auto packs for oneDNN as before."""
+    model = _layers()
+    with rows.disabled():
+        assert use_kernels(model) == ("onednn" if onednn_available() else "torch")
+        with pytest.raises(InvalidRequest, match="linear_kernels"):
+            use_kernels(model, "rows")
+    assert use_kernels(model) == "rows"
