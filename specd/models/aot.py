@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ def compile_supported() -> str | None:
     """Why ahead-of-time compilation cannot run here, or None when it can."""
     if not hasattr(torch._inductor, "aoti_compile_and_package"):
         return f"torch {torch.__version__} has no AOTInductor"
-    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+    if rows.compiler() is None:
         return "no C++ compiler (g++) on this machine"
     return None
 
@@ -112,7 +111,6 @@ class AotRunner:
         self.pool = pool
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
         self._spans = torch.empty(pool.max_len)
-        self._every = torch.arange(MAX_WIDTH * (pool.num_slots + 1))  # `real` of equal rows: a slice of it
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         rows.load(cache_dir)  # the few-row product the library calls, where it builds here
@@ -140,13 +138,7 @@ class AotRunner:
 
     def _args(self, x: StepInputs) -> tuple:
         """The library's inputs for a forward (_Step.forward's order)."""
-        batch, width = x.input_ids.shape
-        if x.packed is not None:
-            real = x.packed
-        elif batch * width <= len(self._every):
-            real = self._every[:batch * width]
-        else:
-            real = torch.arange(batch * width)
+        real = torch.arange(x.input_ids.numel()) if x.packed is None else x.packed
         return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], real, self.kv)
 
     def _load_or_compile(self) -> None:
@@ -224,8 +216,7 @@ class AotRunner:
             self.eager += 1
             return None
         x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)
-        if any(len(r.ids) != width for r in rows):
-            x = replace(x, packed=torch.tensor([b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]))
+        x = replace(x, packed=self.pool.real_queries(rows, width))
         self.runs += 1
         return self.library(*self._args(x)), width
 

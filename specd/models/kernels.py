@@ -119,15 +119,15 @@ def use_kernels(model: torch.nn.Module, kernels: str = "auto", cache_dir: Path |
     if kernels == "onednn" and not (fits and onednn_available()):
         raise InvalidRequest("linear_kernels", "onednn needs a float32 model on the CPU and a PyTorch "
                                                "built with oneDNN")
-    reason = rows.load(cache_dir) if kernels in ("auto", "rows") and fits else "not asked for"
-    if kernels == "rows" and reason is not None:
-        raise InvalidRequest("linear_kernels", f"the few-row product cannot run here: {reason}")
+    few_rows = kernels in ("auto", "rows") and fits and rows.load(cache_dir) is None
+    if kernels == "rows" and not few_rows:
+        raise InvalidRequest("linear_kernels", f"the few-row product cannot run here: {rows.load(cache_dir)}")
     for m in model.modules():  # back to plain layers, then the chosen kind
         if isinstance(m, (PackedLinear, RowsLinear)):
             m.__class__ = torch.nn.Linear
             m.__dict__.pop("_packed", None)
             m.__dict__.pop("_packed_from", None)
-    if reason is None:
+    if few_rows:
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.__class__ = RowsLinear

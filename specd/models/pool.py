@@ -340,9 +340,8 @@ class KVPool:
             x = replace(x, slot_run=first)  # the rows' slots are one run: read them as a view
         if len(rows) == batch == 1 and len(rows[0].ids) == width:  # a lone row: plain slice writes
             x = replace(x, write_run=(first, rows[0].start, width))
-        if not self.fused and len(rows) == batch and any(len(r.ids) != width for r in rows):
-            real = [b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]
-            x = replace(x, packed=torch.tensor(real, device=self.device))
+        if not self.fused and len(rows) == batch:
+            x = replace(x, packed=self.real_queries(rows, width))
         if not self.fused and len(rows) == batch > 1:
             x = replace(x, groups=self._span_groups(rows))
         trees = [(b, r) for b, r in enumerate(rows) if r.mask is not None]
@@ -354,6 +353,14 @@ class KVPool:
             mask[b, :n] = False
             mask[b, :n, :cols] = r.mask.to(self.device)
         return replace(x, tree_mask=mask[:, None])
+
+    def real_queries(self, rows: Sequence[PoolRow], width: int) -> torch.Tensor | None:
+        """The flat indices of rows' real queries in a [len(rows), width] forward (the packed
+        layout, `hidden`); None when every row fills the width."""
+        if all(len(r.ids) == width for r in rows):
+            return None
+        real = [b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]
+        return torch.tensor(real, device=self.device)
 
     def _span_groups(self, rows: Sequence[PoolRow]) -> tuple[tuple[torch.Tensor, int, int | None], ...] | None:
         """Rows whose key spans differ more than twofold attend in separate groups, each over its

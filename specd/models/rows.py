@@ -56,7 +56,8 @@ def _key() -> str:
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The machine's C++ compiler ($CXX, else g++, c++ or clang++), or None."""
     return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
 
@@ -84,8 +85,8 @@ def load(cache_dir: Path | None = None) -> str | None:
 
         cache_dir = default_cache_dir()
     reason = None
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         reason = "no C++ compiler (g++) on this machine"
     else:
         path = Path(cache_dir) / "ops" / f"rows_linear-{_key()}.so"
@@ -95,7 +96,7 @@ def load(cache_dir: Path | None = None) -> str | None:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together build it once
                 if not path.is_file():
                     tmp = path.with_suffix(f".tmp{os.getpid()}.so")
-                    _build(tmp, compiler)
+                    _build(tmp, cxx)
                     tmp.replace(path)
             torch.ops.load_library(str(path))
             torch.library.register_fake("specd::rows_linear")(_shape)
