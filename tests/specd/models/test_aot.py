@@ -82,20 +82,39 @@ def test_compiled_forwards_equal_eager_ones_for_steps_windows_and_unequal_batche
     assert runner.runs == runs + 3  # the steps after a rollback ran compiled
 
 
-def test_rows_whose_contexts_differ_widely_run_eagerly_in_groups(compiled, eager):
-    """The eager forward attends in groups there (KVPool._span_groups), cheaper than every row
-    attending over the longest context."""
-    pairs = [(compiled.session(), eager.session()) for _ in range(2)]
-    for (a, b), prefix in zip(pairs, (_tokens(30, 7), _tokens(3, 8))):
-        a.extend(prefix, 1)
-        b.extend(prefix, 1)
-    before = compiled.pool.runner.eager
-    new = [_tokens(2, 9), _tokens(1, 10)]
-    got = pooled_extend([a for a, _ in pairs], new, [2, 1])
-    want = pooled_extend([b for _, b in pairs], new, [2, 1])
+def _mixed_batch(compiled, eager, prefixes: list[int]) -> tuple[int, int]:
+    """Sessions with prefixes of these lengths, then one forward of a 2-token window among decode
+    steps, compiled and eager: the outputs must agree. (compiled forwards, eager ones) it took."""
+    pairs = [(compiled.session(), eager.session()) for _ in prefixes]
+    for (a, b), (i, n) in zip(pairs, enumerate(prefixes)):
+        a.extend(_tokens(n, 7 + i), 1)
+        b.extend(_tokens(n, 7 + i), 1)
+    runner = compiled.pool.runner
+    runs, before = runner.runs, runner.eager
+    new = [_tokens(2, 9)] + [_tokens(1, 10 + i) for i in range(len(prefixes) - 1)]
+    wanted = [len(ids) for ids in new]
+    got = pooled_extend([a for a, _ in pairs], new, wanted)
+    want = pooled_extend([b for _, b in pairs], new, wanted)
     for (x, _), (y, _) in zip(got, want):
         torch.testing.assert_close(x, y, **TOL)
-    assert compiled.pool.runner.eager == before + 1
+    for a, b in pairs:
+        a.close()
+        b.close()
+    return runner.runs - runs, runner.eager - before
+
+
+def test_rows_whose_contexts_differ_run_compiled_over_the_longest_span(compiled, eager):
+    """A 3-token context beside a 30-token one: the short row reads 28 never-written positions,
+    far below the limit, so the batch runs compiled (the eager grouped attention costs more)."""
+    assert _mixed_batch(compiled, eager, [30, 3]) == (1, 0)
+
+
+def test_rows_whose_contexts_differ_widely_run_eagerly_in_groups(compiled, eager):
+    """Short rows beside a 200-token context would read more never-written KV pages than the
+    limit allows (a third of the weights' bytes): the eager forward attends in span groups."""
+    pool = compiled.pool
+    assert 2 * pool.bytes_per_token() * 190 > pool.runner.zero_read_limit
+    assert _mixed_batch(compiled, eager, [200, 3, 5]) == (0, 1)
 
 
 def test_a_prefill_wider_than_the_library_runs_eagerly(compiled, eager):
