@@ -92,6 +92,7 @@ def cmd_bench_services(args) -> int:
                               1 if pin else None, log_dir)
         procs.append(dproc)
         engine = SpeculativeEngine(target, drafter)
+        _measure_costs(engine, policies, pin)
         rows = asyncio.run(_run(engine, taddr, daddr, prompts, policies, args.max_new_tokens, pin))
     finally:
         for p in procs:
@@ -105,6 +106,23 @@ def cmd_bench_services(args) -> int:
     (args.out / "report.md").write_text(_report(doc))
     print(_report(doc))
     return 0
+
+
+def _measure_costs(engine, policies: list[str], pin: bool) -> None:
+    """Measure the pair's cost curve before the timed runs where a policy prices windows on it
+    (on the target's core, as the in-process runs): measured on first use, it would land in the
+    first cost-aware run's wall time (about 5 s on the embedded pair)."""
+    from specd.policies import policy_class
+
+    if not any(policy_class(p).needs_costs for p in policies):
+        return
+    if pin:
+        os.sched_setaffinity(0, {0})
+    try:
+        engine.costs  # noqa: B018 - the property measures the curve
+    finally:
+        if pin:
+            os.sched_setaffinity(0, set(range(os.cpu_count())))
 
 
 async def _run(engine, taddr: str, daddr: str, prompts: list[list[int]], policies: list[str],

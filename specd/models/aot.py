@@ -8,8 +8,8 @@ pool's own forward (`KVPool.hidden`, the same code the eager path runs) with tor
 compiles it with AOTInductor into a shared library whose C++ runs the whole forward, and
 calls that library for every forward it can take: the decode steps and verification windows
 of any number of sessions, with dynamic batch rows, query width (up to MAX_WIDTH) and key
-span. Wider forwards (prompt prefill chunks), draft trees, and batches whose rows' contexts
-differ so widely that the eager forward's grouped attention is cheaper run eagerly.
+span. Wider forwards (prompt prefill chunks), draft trees, and forwards that read so many keys
+(long contexts) that the eager forward's attention is cheaper run eagerly.
 
 One library serves every shape, so there are no buckets and no padding: dimensions are
 symbolic in the compiled code. It is compiled once per model, thread count,
@@ -49,9 +49,9 @@ CPU_COMPILE_MODES = ("auto", "on", "off")
 MAX_WIDTH = 32  # query rows of a compiled forward: decode steps and verification windows
 MAX_POOL_DIM = 1 << 20  # bound of the symbolic sizes (rows, slots, positions)
 PROBE_TOLERANCE = 1e-3  # largest |compiled - eager| of a probe's hidden states the library may show
-# Never-written KV bytes a compiled forward may read, as a share of the weights' bytes, before a
-# batch whose contexts differ widely runs eagerly in span groups instead (docs/engine.md).
-ZERO_READ_SHARE = 1 / 3
+# Keys and values a compiled forward may read (every row up to the longest context), as a share
+# of the weights' bytes; beyond it the eager forward's attention is faster (docs/engine.md).
+KEY_READ_SHARE = 1 / 2
 
 
 def compile_supported() -> str | None:
@@ -115,7 +115,7 @@ class AotRunner:
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
         self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
-        self.zero_read_limit = ZERO_READ_SHARE * sum(t.numel() * t.element_size() for t in pool.lean.model.parameters())
+        self.key_read_limit = KEY_READ_SHARE * sum(t.numel() * t.element_size() for t in pool.lean.model.parameters())
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         rows.load(cache_dir)  # the few-row product the library calls, where it builds here
         self.key = self._key()  # which library: part of the cost curve's key too (specd.costs)
@@ -213,10 +213,10 @@ class AotRunner:
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
         """hidden [B, T, H] of rows and the width T; None (the pool then runs the forward eagerly)
-        when it is wider than MAX_WIDTH, or when its rows' contexts differ so much that the eager
-        forward's attention in groups is cheaper (`attends_apart`). Rows of unequal length run
-        packed: the projections see the real tokens only."""
-        if width > MAX_WIDTH or not rows or self.attends_apart(rows, span):
+        when it is wider than MAX_WIDTH, or when it reads so many keys that the eager forward is
+        faster (`eager_is_faster`). Rows of unequal length run packed: the projections see the
+        real tokens only."""
+        if width > MAX_WIDTH or not rows or self.eager_is_faster(rows, span):
             self.eager += 1
             return None
         x = unpack(self.pool.pack(rows, len(rows), width), len(rows), width, span)
@@ -225,13 +225,13 @@ class AotRunner:
         return self.library(*self._args(x)), width
 
 
-    def attends_apart(self, rows: Sequence[PoolRow], span: int) -> bool:
-        """Whether rows run eagerly, their attention in span groups (KVPool._span_groups): where
-        the compiled forward, every row reading keys up to the longest context, would read more
-        never-written KV pages than ZERO_READ_SHARE of the weights. Those pages cost far more to
-        read than written ones; short of that the compiled forward is the faster one."""
-        return (len(rows) > 1 and self.pool.unwritten_reads(rows, span) > self.zero_read_limit
-                and self.pool._span_groups(rows) is not None)
+    def eager_is_faster(self, rows: Sequence[PoolRow], span: int) -> bool:
+        """Whether the eager forward beats the compiled one: where the compiled forward, every row
+        reading keys and values up to the longest context, would read more than KEY_READ_SHARE of
+        the weights' bytes. The compiled attention's loops cost more per key than eager's matrix
+        products, and the eager forward attends in span groups where contexts differ widely
+        (KVPool._span_groups); short of that the compiled forward's fused steps win."""
+        return len(rows) * span * self.pool.bytes_per_token() > self.key_read_limit
 
 
 def use_compiled(pool: KVPool, cache_dir: Path, required: bool) -> AotRunner | None:

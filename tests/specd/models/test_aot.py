@@ -104,16 +104,16 @@ def _mixed_batch(compiled, eager, prefixes: list[int]) -> tuple[int, int]:
 
 
 def test_rows_whose_contexts_differ_run_compiled_over_the_longest_span(compiled, eager):
-    """A 3-token context beside a 30-token one: the short row reads 28 never-written positions,
-    far below the limit, so the batch runs compiled (the eager grouped attention costs more)."""
+    """A 3-token context beside a 30-token one: two rows reading 32 keys each, far below the
+    limit, so the batch runs compiled (the eager forward's grouped attention costs more)."""
     assert _mixed_batch(compiled, eager, [30, 3]) == (1, 0)
 
 
-def test_rows_whose_contexts_differ_widely_run_eagerly_in_groups(compiled, eager):
-    """Short rows beside a 200-token context would read more never-written KV pages than the
-    limit allows (a third of the weights' bytes): the eager forward attends in span groups."""
+def test_a_batch_reading_many_keys_runs_eagerly(compiled, eager):
+    """Three rows reading 202 keys each would read more than the limit (half the weights'
+    bytes): the eager forward runs, attending in span groups (the short rows over their own)."""
     pool = compiled.pool
-    assert 2 * pool.bytes_per_token() * 190 > pool.runner.zero_read_limit
+    assert 3 * 202 * pool.bytes_per_token() > pool.runner.key_read_limit
     assert _mixed_batch(compiled, eager, [200, 3, 5]) == (0, 1)
 
 
