@@ -15,6 +15,14 @@ from pathlib import Path
 from specd import __version__
 from specd.errors import InvalidRequest, SpecdError
 
+# How long torch's OpenMP threads (libgomp) spin after a parallel region before they sleep: read
+# when torch loads, so set before any command imports it. libgomp's default spun about 5 ms of a
+# core after every forward, taken from the processes a served token's round trip runs through;
+# at this count a forward is as fast (docs/engine.md, "Threads that do not spin between forwards").
+# The environment wins.
+SPIN_COUNT = "10000"
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
 # --dataset of every bench command (specd.bench.datasets reads it; importing that here would load torch)
 DATASET_HELP = ("JSONL with a 'turns' list per line, as MT-bench's question.jsonl; 'built-in' or left out: "
                 "the 40 prompts bundled in specd/data/prompts.jsonl")

@@ -189,3 +189,22 @@ except SystemExit as e:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage: specd generate" in out.stdout
     assert "the services commands are unavailable" in out.stderr
+
+
+def _child(code: str, env: dict[str, str]) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_the_command_shortens_openmps_spin_before_torch_loads():
+    """libgomp reads GOMP_SPINCOUNT when torch loads it: the command sets it first (torch is not
+    loaded by importing the command), and a value in the environment wins."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    code = "import os, sys, specd.cli; print('torch' in sys.modules, os.environ['GOMP_SPINCOUNT'])"
+    assert _child(code, env) == "False 10000"
+    assert _child(code, {**env, "GOMP_SPINCOUNT": "300"}) == "False 300"
