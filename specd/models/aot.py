@@ -224,7 +224,6 @@ class AotRunner:
         self.runs += 1
         return self.library(*self._args(x)), width
 
-
     def eager_is_faster(self, rows: Sequence[PoolRow], span: int) -> bool:
         """Whether the eager forward beats the compiled one: where the compiled forward, every row
         reading keys and values up to the longest context, would read more than KEY_READ_SHARE of

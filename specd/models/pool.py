@@ -362,13 +362,6 @@ class KVPool:
         real = [b * width + j for b, r in enumerate(rows) for j in range(len(r.ids))]
         return torch.tensor(real, device=self.device)
 
-    def unwritten_reads(self, rows: Sequence[PoolRow], span: int) -> int:
-        """Bytes of never-written KV pages a forward of rows over one key span reads: each row's
-        columns past its own tokens and its slot's high-water mark (zero pages, the slot's memory
-        not yet mapped; a compiled forward reads every row's columns up to the span)."""
-        return self.bytes_per_token() * sum(max(0, span - max(self.written[r.slot], r.start + len(r.ids)))
-                                            for r in rows)
-
     def _span_groups(self, rows: Sequence[PoolRow]) -> tuple[tuple[torch.Tensor, int, int | None], ...] | None:
         """Rows whose key spans differ more than twofold attend in separate groups, each over its
         own longest span: one long context in a batch would otherwise make every row gather and
