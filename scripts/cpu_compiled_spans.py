@@ -1,6 +1,6 @@
-"""When is the compiled CPU forward slower than the eager one? Its attention loops cost more per
-key than eager's matrix products, and every row reads keys up to the batch's longest context,
-where the eager forward attends in span groups (KVPool._span_groups). On the embedded target:
+"""When is the compiled CPU forward slower than the eager one? It costs more per key of context,
+and every row reads keys up to the batch's longest context, where the eager forward attends in
+span groups (KVPool._span_groups). On the embedded target:
 decode steps and a mixed batch (windows among decode steps) of sessions prefilled to the given
 contexts (docs/engine.md, "Compiled CPU forwards").
 

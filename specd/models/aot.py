@@ -227,9 +227,9 @@ class AotRunner:
     def eager_is_faster(self, rows: Sequence[PoolRow], span: int) -> bool:
         """Whether the eager forward beats the compiled one: where the compiled forward, every row
         reading keys and values up to the longest context, would read more than KEY_READ_SHARE of
-        the weights' bytes. The compiled attention's loops cost more per key than eager's matrix
-        products, and the eager forward attends in span groups where contexts differ widely
-        (KVPool._span_groups); short of that the compiled forward's fused steps win."""
+        the weights' bytes. The compiled forward costs more per key of context than the eager one
+        (measured, not profiled: docs/engine.md), which also attends in span groups where
+        contexts differ widely (KVPool._span_groups); short of that the compiled forward wins."""
         return len(rows) * span * self.pool.bytes_per_token() > self.key_read_limit
 
 
