@@ -22,6 +22,7 @@ verification in flight (`verify_wait_s`) and with only the draft to wait for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -116,10 +117,17 @@ def _measure_costs(engine, policies: list[str], pin: bool) -> None:
 
     if not any(policy_class(p).needs_costs for p in policies):
         return
+    with _on_target_core(pin):
+        engine.costs  # noqa: B018 - the property measures the curve
+
+
+@contextlib.contextmanager
+def _on_target_core(pin: bool):
+    """Run this process on core 0 (the target service's) meanwhile, where pinning is on."""
     if pin:
         os.sched_setaffinity(0, {0})
     try:
-        engine.costs  # noqa: B018 - the property measures the curve
+        yield
     finally:
         if pin:
             os.sched_setaffinity(0, set(range(os.cpu_count())))
@@ -142,13 +150,10 @@ async def _run(engine, taddr: str, daddr: str, prompts: list[list[int]], policie
         reference = None
         for name, policy, overlap in configs:
             if overlap is None:  # in-process, on the target's core
-                if pin:
-                    os.sched_setaffinity(0, {0})
-                t0 = time.perf_counter()
-                out = engine.generate(prompt, sampling, SpecParams(policy or "none"))
-                seconds, ids, stats = time.perf_counter() - t0, out.token_ids, {}
-                if pin:
-                    os.sched_setaffinity(0, set(range(os.cpu_count())))
+                with _on_target_core(pin):
+                    t0 = time.perf_counter()
+                    out = engine.generate(prompt, sampling, SpecParams(policy or "none"))
+                    seconds, ids, stats = time.perf_counter() - t0, out.token_ids, {}
             else:
                 seconds, ids, stats = await _through_services(coord, prompt, sampling, policy, overlap)
             reference = ids if reference is None else reference
