@@ -58,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gemv-rows", type=int, default=None, help="fused forwards of 2..N rows run each projection as "
                                                               "one-row products (specd.models.pool.GEMV_ROWS)")
     p.add_argument("--skip-exact", action="store_true", help="leave out the exact path's graphs")
+    p.add_argument("--skip-slow", action="store_true", help="leave out transformers' forward and the eager pool "
+                                                             "(target alone and batched)")
+    p.add_argument("--compiled", action="store_true", help="also the graphs of layers compiled by torch.compile "
+                                                            "(KVPool.compile_layers); the faster graphs serve the "
+                                                            "later sections")
+    p.add_argument("--overhead-ab", action="store_true", help="per drafter, also a greedy run whose cost curve "
+                                                               "does not learn the per-round overhead")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -105,12 +112,13 @@ def prompts(args, target: LoadedModel) -> list[list[int]]:
     return [[(13 * i + 7 * j + 3) % (vocab - 3) + 3 for j in range(24 + 5 * i)] for i in range(args.prompts)]
 
 
-def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | None = None) -> LoadedModel:
+def variant(target: LoadedModel, pool: bool, graphs: bool, args, fused: bool | None = None,
+            compiled: bool = False) -> LoadedModel:
     """The same weights, opened another way (replace() shares the module). fused: the pool's
-    kernel-lean forward (default: on a GPU)."""
+    kernel-lean forward (default: on a GPU); compiled: its layers through torch.compile."""
     out = replace(target, forward="lean" if pool else target.forward)
     if pool:
-        out.use_pool(args.slots, args.max_len, graphs=graphs)
+        out.use_pool(args.slots, args.max_len, graphs=graphs, compiled="on" if compiled else "off")
         if fused is not None:
             out.pool.fused = fused
     return out
@@ -156,7 +164,7 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
     checked on the prompts both runs share."""
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
     none = SpecParams(policy="none")
-    kinds = {"hf": target, "pool-eager": variant(target, pool=True, graphs=False, args=args)}
+    kinds = {} if args.skip_slow else {"hf": target, "pool-eager": variant(target, pool=True, graphs=False, args=args)}
     if device.type == "cuda":
         exact = None if args.skip_exact else variant(target, pool=True, graphs=True, args=args, fused=False)
         if exact is not None and capture(exact, args, results, "exact"):
@@ -164,33 +172,50 @@ def target_alone(args, target, ids, device, clock, results) -> dict[str, dict]:
         fused = variant(target, pool=True, graphs=True, args=args)
         if capture(fused, args, results, "fused"):
             kinds["pool-graphs"] = fused
+    elif args.compiled:  # the dry run: the compiled layers, eagerly
+        compiled = variant(target, pool=True, graphs=False, args=args, fused=True)
+        compiled.pool.compile_layers()
+        kinds["pool-compiled"] = compiled
     runs = {}
-    for name, model in kinds.items():
+
+    def timed(name: str, model: LoadedModel) -> None:
         if clock.left() < 30:
             results.setdefault("skipped", []).append(f"target alone {name}")
-            continue
+            return
         engine = SpeculativeEngine(model)
         engine.generate(ids[0], replace(sampling, max_new_tokens=8), none)  # warm-up
         subset = ids[:args.slow_prompts] if name in ("hf", "pool-eager") and device.type == "cuda" else ids
         runs[name] = decode_all(engine, subset, sampling, none, device)
         runs[name]["prompts"] = len(subset)
         print(f"target alone {name}: {runs[name]['tok_s']} tok/s", flush=True)
-    best_name = "pool-graphs" if "pool-graphs" in runs else "pool-eager"
+    for name, model in kinds.items():
+        timed(name, model)
+    if device.type == "cuda" and args.compiled:  # last: a compiler that dies costs only its own row
+        compiled = variant(target, pool=True, graphs=True, args=args, compiled=True)
+        if capture(compiled, args, results, "compiled"):
+            kinds["pool-graphs-compiled"] = compiled
+            timed("pool-graphs-compiled", compiled)
+    graphed = [n for n in ("pool-graphs", "pool-graphs-compiled") if n in runs]
+    best_name = max(graphed, key=lambda n: runs[n]["tok_s"]) if graphed else next(
+        n for n in ("pool-eager", "pool-compiled", "hf") if n in runs)
     best = runs[best_name]
     results["target_alone"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()}
     results["target_alone_identical_to"] = best_name
     results["target_alone_identical"] = {k: v["outputs"] == best["outputs"][:len(v["outputs"])]
                                          for k, v in runs.items()}
-    pools = {"eager": kinds["pool-eager"]}
-    if "pool-graphs" in kinds:
-        pools["graphs"] = kinds["pool-graphs"]
-        runner = pools["graphs"].pool.runner  # forwards replayed against those run eagerly (outside the buckets)
-        results["graph_forwards"] = {"replays": runner.replays, "eager": runner.eager, "graphs": len(runner.graphs)}
-    return {"model": pools.get("graphs", pools["eager"]), "runs": runs, "pools": pools, "best": best_name}
+    pools = {"eager": kinds["pool-eager"]} if "pool-eager" in kinds else {}
+    if best_name.startswith("pool-graphs"):
+        pools["graphs"] = kinds[best_name]
+        for name in graphed:  # forwards replayed against those run eagerly (outside the buckets)
+            runner = kinds[name].pool.runner
+            results.setdefault("graph_forwards", {})[name] = {"replays": runner.replays, "eager": runner.eager,
+                                                               "graphs": len(runner.graphs)}
+    elif best_name not in pools and best_name != "hf":
+        pools[best_name] = kinds[best_name]
+    return {"model": kinds[best_name], "runs": runs, "pools": pools, "best": best_name}
 
 
-def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_runs) -> None:
-    base_name = "pool-graphs" if "pool-graphs" in baseline_runs else "pool-eager"  # every prompt
+def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_runs, base_name: str) -> None:
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     seeded = SamplingParams(temperature=1.0, seed=0, max_new_tokens=args.max_new_tokens)
     base = baseline_runs[base_name]
@@ -216,6 +241,17 @@ def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_r
         entry["greedy"]["speedup"] = round(run["tok_s"] / base["tok_s"], 3)
         entry["greedy"]["identical"] = run["outputs"] == base["outputs"]
         print(f"{drafter_kind} greedy: {run['tok_s']} tok/s, {entry['greedy']['speedup']}x", flush=True)
+        entry["greedy"]["overhead_ms"] = round(engine.costs.overhead * 1e3, 3)  # learned over the run
+        if args.overhead_ab and clock.left() > 40:
+            plain = SpeculativeEngine(fast, build_drafter(drafter_kind, fast))
+            plain.costs.observe_round = lambda draft_len, seconds: None  # the curve as before: no overhead
+            plain.generate(ids[0], replace(greedy, max_new_tokens=8), spec)
+            ab = decode_all(plain, ids, greedy, spec, device)
+            entry["greedy_no_overhead"] = {k: v for k, v in ab.items() if k != "outputs"}
+            entry["greedy_no_overhead"]["speedup"] = round(ab["tok_s"] / base["tok_s"], 3)
+            entry["greedy_no_overhead"]["identical"] = ab["outputs"] == base["outputs"]
+            print(f"{drafter_kind} greedy, no overhead learnt: {ab['tok_s']} tok/s, "
+                  f"{entry['greedy_no_overhead']['speedup']}x", flush=True)
         if clock.left() > 40:
             if t1_base is None:
                 t1_base = decode_all(SpeculativeEngine(fast), ids, seeded, SpecParams(policy="none"), device)
@@ -299,9 +335,10 @@ def main(argv=None) -> int:
         alone = target_alone(args, target, ids, device, clock, results)
         best = alone["runs"][alone["best"]]
         for name, section in (("speculation", lambda: speculation(args, alone["model"], ids, device, clock, results,
-                                                                   alone["runs"])),
+                                                                   alone["runs"], alone["best"])),
                               ("batched", lambda: batched(args, alone["pools"], ids, device, clock, results,
                                                           best["outputs"]))):
+            Path(args.out).write_text(json.dumps(results, indent=2))  # what is measured so far, in case the run dies
             try:
                 section()
             except Exception:  # noqa: BLE001 - one broken section does not cost the others

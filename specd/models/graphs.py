@@ -58,9 +58,15 @@ class _Graph:
 class GraphRunner:
     """Captures and replays pooled forwards on one CUDA device."""
 
-    def __init__(self, pool: KVPool, max_batch: int | None = None, max_width: int = WIDTH_BUCKETS[-1]):
+    def __init__(self, pool: KVPool, max_batch: int | None = None, max_width: int = WIDTH_BUCKETS[-1],
+                 compiled: bool = False):
+        """compiled: capture each layer compiled by torch.compile (KVPool.compile_layers), which
+        fuses its elementwise kernels; compiled during the warm-up of each new branch's first
+        capture."""
         assert pool.device.type == "cuda", "CUDA graphs need a CUDA pool"
         self.pool = pool
+        if compiled:
+            pool.compile_layers()
         self.batches = buckets_up_to(BATCH_BUCKETS, min(max_batch or pool.num_slots, pool.num_slots))
         self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)

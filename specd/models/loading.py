@@ -50,7 +50,8 @@ class LoadedModel:
                  compiled: str = "off", cache_dir: Path | None = None) -> KVPool:
         """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
         `max_len` positions (default the model's context), with forwards captured in CUDA
-        graphs when `graphs` (a CUDA model only), or compiled ahead of time for the CPU when
+        graphs when `graphs` (a CUDA model only; `compiled` on: each layer through
+        torch.compile, specd.models.graphs), or compiled ahead of time for the CPU when
         `compiled` is on (auto: where the model is large enough to gain, specd.models.aot).
         Needs a model the lean forward supports."""
         if not supports(self.model):
@@ -58,7 +59,7 @@ class LoadedModel:
         if graphs and self.device.type != "cuda":
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
         check_cpu_compile(compiled)
-        if compiled == "on" and not cpu_compilable(self.model, self.device):
+        if compiled == "on" and not graphs and not cpu_compilable(self.model, self.device):
             raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
         if self._lean is None:
             self._lean = LeanLlama(self.model)
@@ -67,7 +68,7 @@ class LoadedModel:
         if graphs:
             from specd.models.graphs import GraphRunner
 
-            GraphRunner(self.pool)
+            GraphRunner(self.pool, compiled=compiled == "on")
         elif compiled == "on" or (compiled == "auto" and compile_pays(self.model, self.device)):
             use_compiled(self.pool, cache_dir or default_cache_dir(), required=compiled == "on")
         return self.pool

@@ -23,13 +23,16 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=gen).tolist()
 
 
-@pytest.fixture(params=["exact", "fused"])
+@pytest.fixture(params=["exact", "fused", "compiled"])
 def pooled(tiny_target, request):
     """The tiny target with its sessions in a 4-slot pool (the fixture's own model untouched),
-    with the CPU's exact forward and with the GPU's fused one (run here on the CPU)."""
+    with the CPU's exact forward, the GPU's fused one and the fused one with each layer through
+    torch.compile (as the GPU's graphs capture it), run here on the CPU."""
     model = replace(tiny_target, forward="lean")
     model.use_pool(4, 256)
-    model.pool.fused = request.param == "fused"
+    model.pool.fused = request.param != "exact"
+    if request.param == "compiled":
+        model.pool.compile_layers()
     return model
 
 
