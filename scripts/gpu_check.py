@@ -63,8 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compiled", action="store_true", help="also the graphs of layers compiled by torch.compile "
                                                             "(KVPool.compile_layers); the faster graphs serve the "
                                                             "later sections")
-    p.add_argument("--overhead-ab", action="store_true", help="per drafter, also a greedy run whose cost curve "
-                                                               "does not learn the per-round overhead")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -241,17 +239,6 @@ def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_r
         entry["greedy"]["speedup"] = round(run["tok_s"] / base["tok_s"], 3)
         entry["greedy"]["identical"] = run["outputs"] == base["outputs"]
         print(f"{drafter_kind} greedy: {run['tok_s']} tok/s, {entry['greedy']['speedup']}x", flush=True)
-        entry["greedy"]["overhead_ms"] = round(engine.costs.overhead * 1e3, 3)  # learned over the run
-        if args.overhead_ab and clock.left() > 40:
-            plain = SpeculativeEngine(fast, build_drafter(drafter_kind, fast))
-            plain.costs.observe_round = lambda draft_len, seconds: None  # the curve as before: no overhead
-            plain.generate(ids[0], replace(greedy, max_new_tokens=8), spec)
-            ab = decode_all(plain, ids, greedy, spec, device)
-            entry["greedy_no_overhead"] = {k: v for k, v in ab.items() if k != "outputs"}
-            entry["greedy_no_overhead"]["speedup"] = round(ab["tok_s"] / base["tok_s"], 3)
-            entry["greedy_no_overhead"]["identical"] = ab["outputs"] == base["outputs"]
-            print(f"{drafter_kind} greedy, no overhead learnt: {ab['tok_s']} tok/s, "
-                  f"{entry['greedy_no_overhead']['speedup']}x", flush=True)
         if clock.left() > 40:
             if t1_base is None:
                 t1_base = decode_all(SpeculativeEngine(fast), ids, seeded, SpecParams(policy="none"), device)

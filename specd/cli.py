@@ -80,10 +80,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
                         "Llama on the CPU (transformers' logits bit for bit, faster a step: "
                         "docs/engine.md); hf: transformers' forward")
-    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "compiled"],
                    help="auto: on a CUDA device, run the target from a preallocated KV pool with each "
                         "forward shape captured in a CUDA graph on first use (docs/engine.md); off: "
-                        "eager forwards over growing caches")
+                        "eager forwards over growing caches; compiled: graphs of layers compiled by "
+                        "torch.compile (fewer kernels, a longer start-up)")
     p.add_argument("--cpu-compile", default="auto", choices=["auto", "on", "off"],
                    help="auto: for a float32 model of 16M+ weights on the CPU, run the target from a "
                         "preallocated KV pool whose forwards are compiled ahead of time (AOTInductor; "

@@ -166,14 +166,6 @@ class CostCurve:
     def observe_draft(self, seconds_per_token: float) -> None:
         self.t_draft = smoothed(self.t_draft, seconds_per_token, smoothing=self.smoothing)
 
-    def observe_round(self, draft_len: int, seconds: float) -> None:
-        """A whole round of draft_len drafts took `seconds`: what neither its drafting nor its
-        target forward accounts for (the verdict, the caches' rollback, a drafter's empty look)
-        is the per-round overhead, followed like the other costs. It weighs little beside a CPU
-        forward; beside a GPU forward of a small model it is what makes short windows lose."""
-        rest = seconds - draft_len * self.t_draft - self.t_target(draft_len + 1)
-        self.overhead = smoothed(self.overhead, max(rest, 0.0), smoothing=self.smoothing)
-
     def to_dict(self) -> dict:
         out = {"t_draft_s": self.t_draft, "k": list(self.ks),
                "t_target_s": [self.scale * t for t in self.t_target_k], "overhead_s": self.overhead}

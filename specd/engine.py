@@ -134,7 +134,6 @@ class GenerationRun:
         self.stops = TextStream(target.tokenizer, sampling.stop) if sampling.stop else None
         self.finish_reason: str | None = None
         self.drafter_ran = False  # in the current round (the measured pace's split)
-        self.timed_drafts: int | None = None  # the current round's drafts, where its cost is on the curve
         self.started = time.perf_counter()
 
     # -- setup ------------------------------------------------------------------------------
@@ -163,13 +162,9 @@ class GenerationRun:
         one also prefills the prompt)."""
         t0 = time.perf_counter()
         self.drafter_ran = False
-        self.timed_drafts = None
         new = self._speculate()
         if self.policy is not None and self.stats.verifications > 1:
-            seconds = time.perf_counter() - t0
-            self.policy.observe_pace(len(new), seconds, self.drafter_ran)
-            if self.costs is not None and self.timed_drafts is not None:
-                self.costs.observe_round(self.timed_drafts, seconds)
+            self.policy.observe_pace(len(new), time.perf_counter() - t0, self.drafter_ran)
         return new
 
     def _speculate(self) -> list[int]:
@@ -209,7 +204,6 @@ class GenerationRun:
         stats.verify_time_s += verify_s
         if self.costs is not None and fed == k + 1:  # not the prefill round
             self.costs.observe_target(fed, verify_s)
-            self.timed_drafts = k  # the round's cost is on the curve: the rest is overhead (_round)
 
         stats.record_round(k, n, verdict.num_strict, verdict.num_relaxed, [s.entropy for s in steps])
         if k or dropped is not None:

@@ -168,9 +168,10 @@ class TargetSettings(ModelSettings):
     prefill_chunk: int = Field(256, ge=0, le=1 << 20,
                                description="prompt tokens prefilled per forward, so that a long prompt does "
                                            "not stall other sessions' verifications (0: whole prompts)")
-    cuda_graphs: str = Field("auto", pattern="^(auto|on|off)$",
+    cuda_graphs: str = Field("auto", pattern="^(auto|on|off|compiled)$",
                              description="capture the pool's forwards in CUDA graphs at start-up (auto: on a "
-                                         "CUDA device with a KV pool; not with tensor_parallel)")
+                                         "CUDA device with a KV pool; not with tensor_parallel; compiled: "
+                                         "of layers compiled by torch.compile, a longer start-up)")
     cpu_compile: str = Field("auto", pattern="^(auto|on|off)$",
                              description="compile the pool's forwards ahead of time on the CPU (AOTInductor; "
                                          "auto: a float32 model of 16M+ weights with a KV pool, not with "

@@ -65,8 +65,12 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
     if not supports(target.model):
         log.warning("target %s: no KV pool (the lean forward does not support this model)", target.name)
         return
-    graphs = graphs_allowed and (s.cuda_graphs == "on" or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
-    compiled = "off" if graphs or not graphs_allowed else s.cpu_compile
+    graphs = graphs_allowed and (s.cuda_graphs in ("on", "compiled")
+                                 or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
+    if graphs:
+        compiled = "on" if s.cuda_graphs == "compiled" else "off"  # each layer through torch.compile
+    else:
+        compiled = s.cpu_compile if graphs_allowed else "off"
     pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir)
     log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)

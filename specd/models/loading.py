@@ -142,7 +142,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("auto", "on", "off", "compiled")
 GRAPH_SLOTS = 8  # sessions of the pool load_model opens for CUDA graphs (a service sizes its own)
 GRAPH_MEMORY_SHARE = 0.25  # of the free device memory, at most, for that pool
 MIN_POOL_LEN = 512
@@ -169,9 +169,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     linear_kernels: auto | rows | onednn | torch (specd/models/kernels.py; auto runs specd's
     few-row product on a float32 CPU model where it builds, else oneDNN with packed weights).
     forward: auto | lean | hf (specd/models/lean.py; auto runs the lean Llama forward on the
-    CPU). cuda_graphs: auto | on | off (auto: on a CUDA device, for a model the lean forward
-    supports, sessions open in a KV pool whose forwards are captured in CUDA graphs on first
-    use, specd/models/graphs.py). tensor_parallel: this process's
+    CPU). cuda_graphs: auto | on | off | compiled (auto: on a CUDA device, for a model the lean
+    forward supports, sessions open in a KV pool whose forwards are captured in CUDA graphs on
+    first use, specd/models/graphs.py; compiled: graphs of layers compiled by torch.compile). tensor_parallel: this process's
     specd.models.tp.TensorParallel (its share of every layer, on its own GPU).
     cpu_compile: auto | on | off (auto: a float32 model the lean forward supports, on the CPU,
     of at least GEMV_MIN_WEIGHTS weights, opens sessions in a KV pool whose forwards are
@@ -220,13 +220,14 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     loaded = LoadedModel(name, model, tokenizer, dev, _max_context(model.config), _eos_ids(model, tokenizer),
                          forward)
-    if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and device != SHARD
-                               and supports(model)):
+    if cuda_graphs in ("on", "compiled") or (cuda_graphs == "auto" and dev.type == "cuda" and device != SHARD
+                                             and supports(model)):
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 1 << 40
         length = pool_length(model.config, torch_dtype, GRAPH_SLOTS, loaded.max_context, free)
         if length:
-            loaded.use_pool(GRAPH_SLOTS, length, graphs=True)  # on a CPU: a clear error, graphs need CUDA
-        elif cuda_graphs == "on":
+            # on a CPU: a clear error, graphs need CUDA
+            loaded.use_pool(GRAPH_SLOTS, length, graphs=True, compiled="on" if cuda_graphs == "compiled" else "off")
+        elif cuda_graphs != "auto":
             raise InvalidRequest("cuda_graphs", "too little free device memory for a KV pool")
     elif ((cpu_compile == "on" or (cpu_compile == "auto" and compile_pays(model, dev))) and tensor_parallel is None
           and device != SHARD and loaded.forward_kind() == "lean"):

@@ -67,3 +67,16 @@ def test_shard_places_the_model_with_accelerate(tiny_dirs, tiny_target):
         b = sharded.model(torch.tensor([ids], device=sharded.device)).logits.to(a.device, a.dtype)
     if want == "cpu":
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["on", "compiled"])
+def test_cuda_graphs_asked_for_on_the_cpu_are_a_clear_error(tiny_dirs, mode):
+    """--cuda-graphs on and compiled need a CUDA device: on the CPU each is refused by name, not
+    run some other way."""
+    with pytest.raises(InvalidRequest, match="cuda_graphs"):
+        load_model(str(tiny_dirs[0]), device="cpu", cuda_graphs=mode)
+
+
+def test_an_unknown_cuda_graphs_mode_is_refused_before_loading(tiny_dirs):
+    with pytest.raises(InvalidRequest, match="cuda_graphs: unknown mode 'sometimes'"):
+        load_model(str(tiny_dirs[0]), device="cpu", cuda_graphs="sometimes")
