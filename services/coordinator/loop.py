@@ -113,6 +113,19 @@ class LoopConfig:
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
 
 
+def settled_status(call) -> tuple[grpc.StatusCode, str]:
+    """A finished call's (code, details), read without waiting: its status coroutines return at
+    once when the status is set, so this runs in a done callback, before any later change."""
+    def now(coroutine):
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            return done.value
+        coroutine.close()
+        raise RuntimeError("the call has not finished")
+    return now(call.code()), now(call.details())
+
+
 class RequestLoop:
     def __init__(self, cfg: LoopConfig, target_stub, draft_stub):
         self.cfg = cfg
@@ -128,6 +141,7 @@ class RequestLoop:
         self.unacked = 0
         self.threshold: float | None = None
         self.draft_call = self.target_call = None
+        self.target_status: tuple[grpc.StatusCode, str] | None = None  # what the target ended its call with
         self.tasks: list[asyncio.Task] = []
         self.policy_state: dict | None = None  # returned by the draft service on close
         self.finish_reason: str | None = None
@@ -198,7 +212,7 @@ class RequestLoop:
     # -- streams ----------------------------------------------------------------------------
     async def _open(self) -> None:
         cfg = self.cfg
-        self.target_call = self.target_stub.Session(timeout=cfg.timeout_s)
+        self._watch_target(self.target_stub.Session(timeout=cfg.timeout_s))
         await self._write_target(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
             prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), features=cfg.features)))
         self.tasks.append(asyncio.create_task(self._pump("target", self.target_call)))
@@ -246,14 +260,31 @@ class RequestLoop:
             # The call has ended (a refused session: every KV slot taken): its status says why.
             raise await self._target_ended() from None
 
+    def _watch_target(self, call) -> None:
+        """Use call as the target session, noting the status it ends with (_note_target_status)."""
+        self.target_call, self.target_status = call, None
+        call.add_done_callback(self._note_target_status)
+
+    def _note_target_status(self, call) -> None:
+        """Keep the first status the target's call ends with that is not gRPC core's write error.
+        A write that races the call's end marks the call INTERNAL ("Internal error from Core"),
+        also when the service's own status (a refused session's RESOURCE_EXHAUSTED) had already
+        arrived, which is then lost from the call; the callback runs at each status set."""
+        status = settled_status(call)
+        if self.target_status is None and status[1] != CORE_ERROR:
+            self.target_status = status
+
     async def _target_ended(self) -> Exception:
         """The error the target ended the session with. A write that raced the end fails in
-        gRPC's core and marks the call INTERNAL at once; the status the service sent (a refused
-        session's RESOURCE_EXHAUSTED) replaces that when it arrives, so it is waited for."""
+        gRPC's core and marks the call INTERNAL; the status the service sent was noted before
+        (_note_target_status) or replaces that when it arrives, so it is waited for."""
         try:
             code = await asyncio.wait_for(self.target_call.code(), 5.0)
             details = await self.target_call.details()
             for _ in range(CORE_ERROR_WAITS):
+                if self.target_status is not None:
+                    code, details = self.target_status
+                    break
                 if code != grpc.StatusCode.INTERNAL or details != CORE_ERROR:
                     break
                 await asyncio.sleep(0.01)

@@ -381,7 +381,7 @@ def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair)
             await refused.write(open_msg)
             code = await refused.code()  # the call has ended
             loop = object.__new__(RequestLoop)
-            loop.target_call = refused
+            loop._watch_target(refused)
             with pytest.raises(Overloaded, match="KV slots"):
                 await loop._write_target(verify)
             held.cancel()
@@ -393,3 +393,54 @@ def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair)
         assert asyncio.run(run()) == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         svc.stop()
+
+
+def test_a_refusal_overwritten_by_a_racing_write_is_still_overloaded(service_loop, chat_pair):
+    """The race CI once met: the target's RESOURCE_EXHAUSTED arrives, then a write that was
+    already on its way fails in gRPC's core, which replaces the call's status with INTERNAL
+    "Internal error from Core" for good. The coordinator noted the service's status when it
+    arrived, so the request still fails with Overloaded (the gateway's 503), not Unavailable.
+    The overwrite is what grpc.aio's write does on that failure (set_internal_error)."""
+    from dataclasses import replace
+
+    import grpc
+
+    from services.common.server import channel
+    from services.common.settings import TargetSettings
+    from services.coordinator.loop import CORE_ERROR, RequestLoop
+    from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from specd.errors import Overloaded
+    from tests.services.conftest import Service
+
+    target = replace(chat_pair[0])
+    target.use_pool(1, 256)
+    servicer = TargetServicer(target)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    open_msg = target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=[5, 9, 14]))
+    verify = target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1))
+
+    async def run():
+        async with channel(svc.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            held = stub.Session(timeout=20)
+            await held.write(open_msg)
+            await held.write(verify)
+            await held.read()  # served: the one slot is taken
+            loop = object.__new__(RequestLoop)
+            loop._watch_target(stub.Session(timeout=20))
+            await loop.target_call.write(open_msg)
+            assert await loop.target_call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            loop.target_call._cython_call.set_internal_error("a write raced the end")
+            assert await loop.target_call.details() == CORE_ERROR  # the service's status is gone from the call
+            error = await loop._target_ended()
+            held.cancel()
+            return error
+
+    try:
+        error = asyncio.run(run())
+    finally:
+        svc.stop()
+    assert isinstance(error, Overloaded) and "KV slots" in str(error), repr(error)
