@@ -191,6 +191,12 @@ def median_time(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def settle(logits: torch.Tensor) -> None:
+    """Wait until a forward's result exists: a GPU forward returns before it has run, so a
+    timer stopped at its return would time only the queueing of its kernels."""
+    logits.reshape(-1)[:1].tolist()
+
+
 def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
     """Median of single draft steps after a cached prefix (rolled back after each step)."""
     seq, params = list(prefix), SamplingParams()
@@ -236,7 +242,7 @@ def measure_t_target(target, prefix: Sequence[int], ks: Sequence[int] = tuple(ra
 
             def forward(ids=ids, k=k):
                 logits, _ = kv.extend(ids, k)
-                logits[-1, :1].tolist()  # a GPU forward returns before it has run: wait for it
+                settle(logits)
                 kv.rollback(len(prefix))
 
             forward()  # warm-up

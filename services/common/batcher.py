@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.costs import MovingAverage, median_time, synthetic_prefix
+from specd.costs import MovingAverage, median_time, settle, synthetic_prefix
 from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
@@ -96,7 +96,9 @@ def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[lis
             group = sessions[:b]
 
             def forward(extra: int, group=group, b=b):
-                extend_together(target.model, group, [[7] * (1 + extra)] + [[7]] * (b - 1), [1] * b, [False] * b)
+                out = extend_together(target.model, group, [[7] * (1 + extra)] + [[7]] * (b - 1), [1] * b,
+                                      [False] * b)
+                settle(out[-1][0])
                 for s in group:
                     s.rollback(len(prefix))
 

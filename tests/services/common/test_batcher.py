@@ -114,3 +114,31 @@ def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
     assert seeded == first.forward_seconds
     assert followed == pytest.approx(smoothed(first.forward_seconds, second.forward_seconds))
     assert shared.batch_size == 2 and after == followed
+
+
+def test_the_batched_cost_surface_times_each_forward_until_its_result_exists(tiny_target, monkeypatch):
+    """A GPU forward returns before it has run: the start-up surface (what cost-aware prices a
+    window in a shared forward by) must wait for every timed forward's logits, as the cost curve
+    does, or it times only the queueing (an H200 read 0.2 ms for 2 sessions beside the curve's
+    2.1 ms for one). Every timed forward here settles its result through specd.costs.settle."""
+    import services.common.batcher as batcher
+    from specd.costs import settle
+
+    forwards, settled = [], []
+    real_extend = batcher.extend_together
+
+    def counting_extend(*args, **kwargs):
+        forwards.append(1)
+        return real_extend(*args, **kwargs)
+
+    def counting_settle(logits):
+        settled.append(logits.shape)
+        settle(logits)
+
+    monkeypatch.setattr(batcher, "extend_together", counting_extend)
+    monkeypatch.setattr(batcher, "settle", counting_settle)
+    model = replace(tiny_target, forward="lean")
+    model.use_pool(4, 128)  # the surface's 64-token context and a 9-token window
+    steps, tokens = batcher.measure_batch_surface(model, 4, repeats=1)
+    assert len(steps) == len(tokens) == 4 and all(t > 0 for t in steps)
+    assert forwards and len(settled) == len(forwards)
