@@ -420,11 +420,17 @@ def _csv(text: str) -> list[str]:
 
 
 def _machine() -> str:
+    """The CPU, and the GPUs where there are any (the services started here use them by default)."""
     import os
+
+    import torch
 
     from specd.costs import cpu_model
 
-    return f"{cpu_model()}, {os.cpu_count()} CPUs"
+    text = f"{cpu_model()}, {os.cpu_count()} CPUs"
+    if torch.cuda.is_available():
+        text += "; GPUs: " + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return text
 
 
 def stack_args(args, port: int) -> argparse.Namespace:

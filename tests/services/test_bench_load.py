@@ -52,3 +52,16 @@ def test_the_stack_it_starts_is_planned_as_specd_up_plans_one():
     plan = _plan(bench_load.stack_args(args, 8123))
     assert [name for name, _, _ in plan] == ["target", "draft", "coordinator", "gateway"]
     assert plan[-1][2] == 8123
+
+
+def test_the_machine_line_names_the_gpus_where_there_are_any(monkeypatch):
+    """Numbers measured on a GPU name it: an H200 run's report once named only the host's CPU."""
+    import torch
+
+    from services.bench_load import _machine
+
+    assert "GPU" not in _machine() or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert _machine().endswith("CPUs; GPUs: NVIDIA H200")
