@@ -270,7 +270,10 @@ class RequestLoop:
         A write that races the call's end marks the call INTERNAL ("Internal error from Core"),
         also when the service's own status (a refused session's RESOURCE_EXHAUSTED) had already
         arrived, which is then lost from the call; the callback runs at each status set."""
-        status = settled_status(call)
+        try:
+            status = settled_status(call)
+        except Exception:  # noqa: BLE001 - never into gRPC's own machinery, which called this
+            return
         if self.target_status is None and status[1] != CORE_ERROR:
             self.target_status = status
 
