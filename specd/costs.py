@@ -192,9 +192,9 @@ def median_time(fn: Callable[[], None], repeats: int) -> float:
 
 
 def settle(logits: torch.Tensor) -> None:
-    """Wait until a forward's result exists: a GPU forward returns before it has run, so a
-    timer stopped at its return would time only the queueing of its kernels."""
-    logits.reshape(-1)[:1].tolist()
+    """Wait until a forward's result exists (logits [n, V]): a GPU forward returns before it has
+    run, so a timer stopped at its return would time only the queueing of its kernels."""
+    logits[-1, :1].tolist()
 
 
 def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:

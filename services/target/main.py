@@ -104,6 +104,7 @@ async def serve(s: TargetSettings) -> None:
             raise InvalidRequest("tensor_parallel", f"launched with {tp.world} ranks, asked for {s.tensor_parallel}")
         if not tp.leader:
             follow(load_target(s).pool, tp)  # the forwards rank 0 broadcasts, until it stops
+            tp.close()
             return
     servicer = await build_on(compute_thread("target"), build_servicer, s)
     server, port = await start(s, servicer)
@@ -111,3 +112,4 @@ async def serve(s: TargetSettings) -> None:
     servicer.close()
     if s.tensor_parallel > 1:
         await build_on(servicer.executor, lambda _executor: stop_followers(tp))
+        tp.close()

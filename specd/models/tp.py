@@ -50,6 +50,12 @@ class TensorParallel:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=self.rank,
                                     world_size=self.world, timeout=timedelta(days=365))
 
+    def close(self) -> None:
+        """Leave the process group. A process that exits without it can abort in a destructor
+        of the group's threads ("terminate called without an active exception")."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def broadcast(self, message: object = None) -> object:
         """Rank 0's message on every rank."""
         box = [message]
