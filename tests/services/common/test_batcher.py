@@ -121,7 +121,7 @@ def test_the_batched_cost_surface_times_each_forward_until_its_result_exists(tin
     window in a shared forward by) must wait for every timed forward's logits, as the cost curve
     does, or it times only the queueing (an H200 read 0.2 ms for 2 sessions beside the curve's
     2.1 ms for one). Every timed forward here settles its result through specd.costs.settle."""
-    import services.common.batcher as batcher
+    from services.common import batcher
     from specd.costs import settle
 
     forwards, settled = [], []

@@ -347,19 +347,17 @@ def test_a_session_the_target_refuses_is_overloaded_whatever_the_race(service_lo
             assert ids == reference(chat_pair[0], PROMPTS[0], 24)
 
 
-def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair):
-    """The race the test above cannot force: the target refuses a session (every KV slot taken)
-    and the coordinator's next write finds the call ended. The write raises the call's own
-    status as a typed error (Overloaded), not an internal InvalidStateError."""
+def _refused_session(service_loop, chat_pair, then):
+    """A target service with one KV slot, the slot taken by a served session, and a second
+    session it refuses: `then(refused_call, verify_message)` runs once the refusal's status has
+    arrived, on the client's event loop; what it returns is returned."""
     from dataclasses import replace
 
     from services.common.server import channel
     from services.common.settings import TargetSettings
-    from services.coordinator.loop import RequestLoop
     from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
     from services.target.main import start as start_target
     from services.target.servicer import TargetServicer
-    from specd.errors import Overloaded
     from tests.services.conftest import Service
 
     target = replace(chat_pair[0])
@@ -379,20 +377,35 @@ def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair)
             await held.read()  # served: the one slot is taken
             refused = stub.Session(timeout=20)
             await refused.write(open_msg)
-            code = await refused.code()  # the call has ended
-            loop = object.__new__(RequestLoop)
-            loop._watch_target(refused)
-            with pytest.raises(Overloaded, match="KV slots"):
-                await loop._write_target(verify)
-            held.cancel()
-            return code
+            await refused.code()  # the call has ended
+            try:
+                return await then(refused, verify)
+            finally:
+                held.cancel()
 
     try:
-        import grpc
-
-        assert asyncio.run(run()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return asyncio.run(run())
     finally:
         svc.stop()
+
+
+def test_a_write_to_a_session_the_target_ended_says_why(service_loop, chat_pair):
+    """The race the test above cannot force: the target refuses a session (every KV slot taken)
+    and the coordinator's next write finds the call ended. The write raises the call's own
+    status as a typed error (Overloaded), not an internal InvalidStateError."""
+    import grpc
+
+    from services.coordinator.loop import RequestLoop
+    from specd.errors import Overloaded
+
+    async def write(refused, verify):
+        loop = object.__new__(RequestLoop)
+        loop._watch_target(refused)
+        with pytest.raises(Overloaded, match="KV slots"):
+            await loop._write_target(verify)
+        return await refused.code()
+
+    assert _refused_session(service_loop, chat_pair, write) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_refusal_overwritten_by_a_racing_write_is_still_overloaded(service_loop, chat_pair):
@@ -401,46 +414,15 @@ def test_a_refusal_overwritten_by_a_racing_write_is_still_overloaded(service_loo
     "Internal error from Core" for good. The coordinator noted the service's status when it
     arrived, so the request still fails with Overloaded (the gateway's 503), not Unavailable.
     The overwrite is what grpc.aio's write does on that failure (set_internal_error)."""
-    from dataclasses import replace
-
-    import grpc
-
-    from services.common.server import channel
-    from services.common.settings import TargetSettings
     from services.coordinator.loop import CORE_ERROR, RequestLoop
-    from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
-    from services.target.main import start as start_target
-    from services.target.servicer import TargetServicer
     from specd.errors import Overloaded
-    from tests.services.conftest import Service
 
-    target = replace(chat_pair[0])
-    target.use_pool(1, 256)
-    servicer = TargetServicer(target)
-    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
-    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
-    open_msg = target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=[5, 9, 14]))
-    verify = target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1))
+    async def overwrite(refused, verify):
+        loop = object.__new__(RequestLoop)
+        loop._watch_target(refused)  # notes the status that has arrived
+        refused._cython_call.set_internal_error("a write raced the end")
+        assert await refused.details() == CORE_ERROR  # the service's status is gone from the call
+        return await loop._target_ended()
 
-    async def run():
-        async with channel(svc.address) as ch:
-            stub = target_pb2_grpc.TargetServiceStub(ch)
-            held = stub.Session(timeout=20)
-            await held.write(open_msg)
-            await held.write(verify)
-            await held.read()  # served: the one slot is taken
-            loop = object.__new__(RequestLoop)
-            loop._watch_target(stub.Session(timeout=20))
-            await loop.target_call.write(open_msg)
-            assert await loop.target_call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            loop.target_call._cython_call.set_internal_error("a write raced the end")
-            assert await loop.target_call.details() == CORE_ERROR  # the service's status is gone from the call
-            error = await loop._target_ended()
-            held.cancel()
-            return error
-
-    try:
-        error = asyncio.run(run())
-    finally:
-        svc.stop()
+    error = _refused_session(service_loop, chat_pair, overwrite)
     assert isinstance(error, Overloaded) and "KV slots" in str(error), repr(error)
