@@ -1,0 +1,77 @@
+"""The CPU time each service process spends per streamed token: `specd up` on the embedded
+defaults, then one client streaming the first --prompts MT-bench questions sequentially per
+policy, with each service's user + system CPU seconds (from /proc) read before and after. The
+coordinator and the gateway are one Python process each, so their CPU milliseconds per token
+bound the tokens per second one of them can stream, whatever the GPU (docs/design.md, "Thin GPU
+coverage").
+
+    python scripts/services_cpu.py --dataset ../shared/datasets/mt_bench_question.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SERVICES = ("target", "draft", "coordinator", "gateway")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def stream(url: str, question: str, policy: str, max_tokens: int) -> int:
+    """One streamed chat completion; the completion tokens its usage reports."""
+    body = {"model": "specd", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}, "speculative": {"policy": policy}}
+    with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"usage"' in line and (usage := json.loads(line[6:]).get("usage")):
+                return usage["completion_tokens"]
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", type=Path, required=True, help="MT-bench-style JSONL (first turns used)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--policies", default="none,cost-aware,none")
+    args = p.parse_args(argv)
+    questions = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[:args.prompts]]
+    up = subprocess.Popen([sys.executable, "-m", "specd", "up"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    try:
+        for line in up.stdout:
+            if "specd is up" in line:
+                break
+        else:
+            print("specd up ended before it was up", file=sys.stderr)
+            return 1
+        pids = {name: int(subprocess.run(["pgrep", "-f", f"specd serve {name}"], capture_output=True, check=True,
+                                         text=True).stdout.split()[0]) for name in SERVICES}
+        for policy in args.policies.split(","):
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            t0 = time.perf_counter()
+            tokens = sum(stream("http://127.0.0.1:8000", q, policy, args.max_tokens) for q in questions)
+            wall = time.perf_counter() - t0
+            per_token = {name: round((cpu_seconds(pid) - before[name]) / tokens * 1e3, 2) for name, pid in pids.items()}
+            print(json.dumps({"policy": policy, "tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 2),
+                              "cpu_ms_per_token": per_token}), flush=True)
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
