@@ -171,8 +171,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     forward: auto | lean | hf (specd/models/lean.py; auto runs the lean Llama forward on the
     CPU). cuda_graphs: auto | on | off | compiled (auto: on a CUDA device, for a model the lean
     forward supports, sessions open in a KV pool whose forwards are captured in CUDA graphs on
-    first use, specd/models/graphs.py; compiled: graphs of layers compiled by torch.compile). tensor_parallel: this process's
-    specd.models.tp.TensorParallel (its share of every layer, on its own GPU).
+    first use, specd/models/graphs.py; compiled: graphs of layers compiled by torch.compile).
+    tensor_parallel: this process's specd.models.tp.TensorParallel (its share of every layer,
+    on its own GPU).
     cpu_compile: auto | on | off (auto: a float32 model the lean forward supports, on the CPU,
     of at least GEMV_MIN_WEIGHTS weights, opens sessions in a KV pool whose forwards are
     compiled ahead of time, specd/models/aot.py; the first load compiles, later ones load)."""
