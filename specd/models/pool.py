@@ -174,8 +174,9 @@ class KVPool:
         # what runs forwards that fit it: a specd.models.graphs.GraphRunner (CUDA graphs) or a
         # specd.models.aot.AotRunner (compiled for the CPU); None: every forward eager
         self.runner = None
-        self.layer = None  # fused_layer compiled (compile_layers); None: run eagerly
-        self._weights = None  # what fused_layer reads, per layer (_layer_weights)
+        self.layer = FusedLayer(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling)  # the fused path's layer
+        self.compiled_layer = None  # self.layer through torch.compile (compile_layers)
+        self._weights = None  # what the layer reads, per layer (_layer_weights)
         self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
 
     # slots ---------------------------------------------------------------------------------
@@ -460,7 +461,7 @@ class KVPool:
         together, each residual sum written by its matrix product (addmm_), and the g query heads
         that share a KV head attending as one block of g x T rows, so a forward gathers each row's
         keys and values once per KV head rather than once per query head. Each layer runs
-        `fused_layer`, or its compiled form (compile_layers), which fuses its elementwise work."""
+        `FusedLayer`, or its compiled form (compile_layers), which fuses its elementwise work."""
         lean = self.lean
         batch, width = x.input_ids.shape
         kv_heads, groups = lean.kv_heads, lean.groups
@@ -475,17 +476,16 @@ class KVPool:
         bias_rows = bias[:, :, None].expand(batch, kv_heads, groups, width, span).reshape(-1, groups * width, span)
         cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
         gemv = 1 < batch * width <= self.gemv_rows
-        shape = (lean.heads, kv_heads, lean.head_dim, lean.scaling, gemv)
         # compiled for inference: a forward that tracks gradients (a drafter learning) runs eagerly
-        run = fused_layer if self.layer is None or torch.is_grad_enabled() else self.layer
+        run = self.layer if self.compiled_layer is None or torch.is_grad_enabled() else self.compiled_layer
         h = lean.embed(x.input_ids)
         for i, weights in enumerate(self._layer_weights()):
-            h = run(h, weights, self.k[i], self.v[i], bias, bias_rows, cos, sin, x.slots, x.write_pos, shape)
+            h = run(h, weights, self.k[i], self.v[i], bias, bias_rows, cos, sin, x.slots, x.write_pos, gemv)
         return F.rms_norm(h, (h.shape[-1],), lean.norm.weight, lean.norm.variance_epsilon)
 
     def _layer_weights(self) -> list[tuple]:
         """Per layer (input norm weight, its epsilon, q/k/v, o, post norm weight, its epsilon,
-        gate/up, down): the tensors fused_layer reads. A projection that keeps only a packed CPU
+        gate/up, down): the tensors FusedLayer reads. A projection that keeps only a packed CPU
         copy (weight None) is read from its source linears, concatenated."""
         if self._weights is None or self._weights[0] is not self.lean.layers:  # fused anew since
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: forwards may track gradients
@@ -506,65 +506,59 @@ class KVPool:
     def compile_layers(self) -> None:
         """Run every fused layer through torch.compile (inductor: on a GPU, Triton kernels that
         fuse a layer's norms, rotary embedding, KV writes and activations), one compiled function
-        for all layers, its sizes symbolic. Compiles lazily, per branch of fused_layer taken."""
+        for all layers, its sizes symbolic. Compiles lazily, per branch of FusedLayer taken."""
         import torch._dynamo
 
         assert self.fused, "compiled layers are the fused path's"
-        lean = self.lean
-        layer = _ModelSizes(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling)
         # one recompilation per branch taken (rows/width of 1 or more, few-row products or not)
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.6
         setattr(config, limit, max(getattr(config, limit), 64))
-        self.layer = torch.compile(layer, dynamic=True, fullgraph=True)
+        self.compiled_layer = torch.compile(self.layer, dynamic=True, fullgraph=True)
 
 
-class _ModelSizes(torch.nn.Module):
-    """fused_layer with the model's sizes as attributes, which torch.compile takes as constants
-    (with dynamic sizes, integers passed as arguments would be symbolic like the batch's)."""
+class FusedLayer(torch.nn.Module):
+    """One decoder layer of the fused forward (KVPool._hidden_fused), for every layer: its
+    weights come in as arguments, the model's sizes are attributes, which torch.compile takes as
+    constants (with dynamic sizes, integers passed as arguments would be symbolic like the
+    batch's)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, scaling: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
 
-    def forward(self, h, weights, pool_k, pool_v, bias, bias_rows, cos, sin, slots, write_pos, shape):
-        return fused_layer(h, weights, pool_k, pool_v, bias, bias_rows, cos, sin, slots, write_pos,
-                           (self.heads, self.kv_heads, self.head_dim, self.scaling, shape[-1]))
-
-
-def fused_layer(h: torch.Tensor, weights: tuple, pool_k: torch.Tensor, pool_v: torch.Tensor, bias: torch.Tensor,
-                bias_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                write_pos: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """One decoder layer of the fused forward (KVPool._hidden_fused): writes this layer's new keys
-    and values into its pool tensors, returns the new residual stream [B, T, H].
-    shape: (heads, kv_heads, head_dim, scaling, gemv), gemv as in _add_product."""
-    norm_in, eps_in, qkv_w, o_w, norm_post, eps_post, gate_up_w, down_w = weights
-    heads, kv_heads, dim, scaling, gemv = shape
-    batch, width = h.shape[0], h.shape[1]
-    groups, q_size, kv_size, span = heads // kv_heads, heads * dim, kv_heads * dim, bias.shape[-1]
-    project = _rows_product if gemv else F.linear
-    a = F.rms_norm(h, (h.shape[-1],), norm_in, eps_in)
-    qkv = project(a, qkv_w)
-    qk = qkv[..., :q_size + kv_size].view(batch, width, heads + kv_heads, dim)
-    qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
-    v = qkv[..., q_size + kv_size:].view(batch, width, kv_heads, dim)
-    pool_k[slots[:, None], :, write_pos] = qk[:, :, heads:]
-    pool_v[slots[:, None], :, write_pos] = v
-    keys = pool_k[:, :, :span].index_select(0, slots)  # [B, kv_heads, S, D]
-    values = pool_v[:, :, :span].index_select(0, slots)
-    if width <= MATMUL_ATTENTION_WIDTH:  # a few query rows: three small kernels beat one fused
-        q = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-        scores = torch.baddbmm(bias_rows, q.reshape(-1, groups * width, dim),
-                               keys.reshape(-1, span, dim).transpose(1, 2), alpha=scaling)
-        out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim))  # [B * kv_heads, g * T, D]
-        out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4)
-    else:
-        out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
-                                             scale=scaling, enable_gqa=groups > 1).transpose(1, 2)
-    h = _add_product(h, out.reshape(batch, width, q_size), o_w, gemv)
-    a = F.rms_norm(h, (h.shape[-1],), norm_post, eps_post)
-    gate, up = project(a, gate_up_w).chunk(2, dim=-1)
-    return _add_product(h, F.silu(gate) * up, down_w, gemv)
+    def forward(self, h: torch.Tensor, weights: tuple, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                bias: torch.Tensor, bias_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, write_pos: torch.Tensor, gemv: bool) -> torch.Tensor:
+        """Writes this layer's new keys and values into its pool tensors; the new residual stream
+        [B, T, H]. gemv as in _add_product."""
+        heads, kv_heads, dim, scaling = self.heads, self.kv_heads, self.head_dim, self.scaling
+        norm_in, eps_in, qkv_w, o_w, norm_post, eps_post, gate_up_w, down_w = weights
+        batch, width = h.shape[0], h.shape[1]
+        groups, q_size, kv_size, span = heads // kv_heads, heads * dim, kv_heads * dim, bias.shape[-1]
+        project = _rows_product if gemv else F.linear
+        a = F.rms_norm(h, (h.shape[-1],), norm_in, eps_in)
+        qkv = project(a, qkv_w)
+        qk = qkv[..., :q_size + kv_size].view(batch, width, heads + kv_heads, dim)
+        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
+        v = qkv[..., q_size + kv_size:].view(batch, width, kv_heads, dim)
+        pool_k[slots[:, None], :, write_pos] = qk[:, :, heads:]
+        pool_v[slots[:, None], :, write_pos] = v
+        keys = pool_k[:, :, :span].index_select(0, slots)  # [B, kv_heads, S, D]
+        values = pool_v[:, :, :span].index_select(0, slots)
+        if width <= MATMUL_ATTENTION_WIDTH:  # a few query rows: three small kernels beat one fused
+            q = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+            scores = torch.baddbmm(bias_rows, q.reshape(-1, groups * width, dim),
+                                   keys.reshape(-1, span, dim).transpose(1, 2), alpha=scaling)
+            out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim))  # [B * kv_heads, g * T, D]
+            out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4)
+        else:
+            out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
+                                                 scale=scaling, enable_gqa=groups > 1).transpose(1, 2)
+        h = _add_product(h, out.reshape(batch, width, q_size), o_w, gemv)
+        a = F.rms_norm(h, (h.shape[-1],), norm_post, eps_post)
+        gate, up = project(a, gate_up_w).chunk(2, dim=-1)
+        return _add_product(h, F.silu(gate) * up, down_w, gemv)
 
 
 def _add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False) -> torch.Tensor:
