@@ -46,9 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--policies", default="none,cost-aware,none")
+    p.add_argument("--target-model", default="embedded",
+                   help="a fast target (a tiny model directory) leaves the services' own cost, as on a GPU")
     args = p.parse_args(argv)
     questions = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[:args.prompts]]
-    up = subprocess.Popen([sys.executable, "-m", "specd", "up"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    up = subprocess.Popen([sys.executable, "-m", "specd", "up", "--no-sample", "--target-model", args.target_model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True)
     try:
         for line in up.stdout:

@@ -87,6 +87,7 @@ class Coordinator:
         self.verify_seconds: list[float] = []  # the target's start-up cost curve
         self.batch_seconds: list[float] = []  # and its batched cost surface (TargetInfo)
         self.batch_token_seconds: list[float] = []
+        self.plain_runs = False  # the target answers a plain run step by step (Verify.steps)
         self.decode_s: float | None = None  # its current decode cost (Verified)
         self.round_overhead = MovingAverage()  # seconds of round trip beyond the forward
         self.draft_breaker = Breaker(cfg.draft_cooldown_s)
@@ -115,6 +116,7 @@ class Coordinator:
         self.tokenizer = _load_tokenizer(dict(files.files))
         self.verify_seconds = list(info.verify_seconds)
         self.batch_seconds, self.batch_token_seconds = list(info.batch_seconds), list(info.batch_token_seconds)
+        self.plain_runs = info.plain_runs
         self.target_info = info.model
 
     async def _draft_info(self) -> draft_pb2.DraftInfo | SpecdError:
@@ -237,7 +239,8 @@ class Coordinator:
         return LoopConfig(
             prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
             min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
-            info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None)
+            info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None,
+            plain_runs=self.plain_runs)
 
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))

@@ -111,6 +111,7 @@ class LoopConfig:
     round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
     top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
+    plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
 
 
 def settled_status(call) -> tuple[grpc.StatusCode, str]:
@@ -146,6 +147,7 @@ class RequestLoop:
         self.policy_state: dict | None = None  # returned by the draft service on close
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
+        self.replies_due = 0  # Verified messages the outstanding verification (a plain run: each step) has yet to send
         self.side: tuple[list[int], list[int]] = ([], [])  # the outstanding verification's tree side nodes
         self.sent_at = 0.0  # when the outstanding verification was sent
         self.overhead_s, self.overhead_n = 0.0, 0  # round trip beyond the forward, summed
@@ -157,12 +159,19 @@ class RequestLoop:
         self.started = time.perf_counter()
         await self._open()
         chunk: list[draft_pb2.DraftToken] | None = None
+        out: list[int] = []  # emitted, not yet yielded
         while self.finish_reason is None:
             if chunk is None:
                 chunk = self._next_chunk()
                 if chunk is not None:
                     self.side = self._tree_side(len(self.seq), len(chunk))
-                    await self._send_verify(chunk)
+                    await self._send_verify(chunk, self._steps(chunk))
+            # Tokens go to the caller once the next verification is on its way, so the target
+            # works while they stream, and as one batch when replies wait in the queue (a
+            # plain run running ahead of a busy coordinator).
+            if out and self.events.empty():
+                yield out
+                out = []
             t0 = time.perf_counter()
             source, msg = await self._next_event(waiting_on_target=chunk is not None)
             waited = time.perf_counter() - t0
@@ -173,12 +182,14 @@ class RequestLoop:
             if source == "target":
                 if chunk is None:
                     raise Unavailable("target service answered a verification nobody asked for")
-                new = await self._on_verified(msg, chunk)
-                chunk = None
-                if new:
-                    yield new
+                out += await self._on_verified(msg, chunk)
+                self.replies_due -= 1
+                if not self.replies_due:
+                    chunk = None
             else:
                 self._on_draft(source, msg)
+        if out:
+            yield out
 
     async def _next_event(self, waiting_on_target: bool) -> tuple[str, object]:
         if waiting_on_target:
@@ -392,6 +403,15 @@ class RequestLoop:
             return chunk
         return None
 
+    def _steps(self, chunk: list[draft_pb2.DraftToken]) -> int:
+        """Decoding steps to ask for: a plain run where no draft will be verified before its end
+        (the target alone, or the plain rounds the draft promised), else one."""
+        if chunk or not self.cfg.plain_runs:
+            return 1
+        c = len(self.seq)
+        until = self.cfg.max_length if self.draft_stub is None or self.stats.fallback else self.plain_until
+        return max(min(until, self.cfg.max_length) - c, 1)
+
     def _tree_side(self, start: int, k: int) -> tuple[list[int], list[int]]:
         """The side nodes of the window a chunk from `start` of k drafts is, when it is the whole
         window and the draft grew it into a tree (specd.tree); a part of one verifies a chain."""
@@ -400,10 +420,12 @@ class RequestLoop:
                 return list(w.side_tokens), list(w.side_parents)
         return [], []
 
-    async def _send_verify(self, chunk: list[draft_pb2.DraftToken]) -> None:
+    async def _send_verify(self, chunk: list[draft_pb2.DraftToken], steps: int = 1) -> None:
         self.verify_id += 1
+        self.replies_due = steps
         msg = target_pb2.Verify(verify_id=self.verify_id, tokens=[t.token for t in chunk],
-                                probs=[t.prob for t in chunk], relaxed=self.cfg.spec.relaxed)
+                                probs=[t.prob for t in chunk], relaxed=self.cfg.spec.relaxed,
+                                steps=steps if steps > 1 else 0)
         if self.cfg.send_distributions and chunk:
             msg.distributions.extend(t.q for t in chunk)
         if self.threshold is not None and self.cfg.spec.relaxed:
@@ -421,9 +443,10 @@ class RequestLoop:
             raise Unavailable("target service ended the session")
         v = msg.verified
         n, k = v.num_accepted, len(chunk)
-        if not v.prefill_seconds:  # the first reply also waited for the prompt's prefill
+        if not v.prefill_seconds and self.sent_at:  # the first reply also waited for the prompt's prefill
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
+        self.sent_at = 0.0  # a plain run's later steps were not asked for one by one
         side = len(self.side[0])
         accepted = list(v.accepted_tokens) if side else [t.token for t in chunk[:n]]  # a tree's path
         tokens = accepted + [v.next_token]

@@ -83,6 +83,9 @@ class TargetMetrics:
         self.refused = Counter("specd_target_refused_sessions", "sessions refused at once: every KV slot taken, "
                                "or over the latency budget", ["model"], registry=registry)
         self.refused.labels(model)  # a zero series from the start
+        self.plain_runs = Histogram("specd_target_plain_run_steps", "decoding steps per plain run (Verify.steps): "
+                                    "target-only decoding without a round trip per token", ["model"],
+                                    buckets=TOKEN_BUCKETS, registry=registry)
 
     def observe_verify(self, num_drafts: int, forward_seconds: float) -> None:
         self.verify_s.labels(self.model, count_label(num_drafts, MAX_LABELLED_WINDOW)).observe(forward_seconds)
@@ -97,6 +100,9 @@ class TargetMetrics:
         self.forward_tokens.labels(self.model).observe(tokens)
         for w in waits:
             self.queue_s.labels(self.model).observe(w)
+
+    def observe_plain_run(self, steps: int) -> None:
+        self.plain_runs.labels(self.model).observe(steps)
 
     def observe_prefill_chunk(self) -> None:
         self.prefill_chunks.labels(self.model).inc()

@@ -34,6 +34,7 @@ from specd.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
+MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -90,7 +91,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size,
                                      verify_seconds=self.verify_seconds, batch_seconds=self.batch_seconds,
-                                     batch_token_seconds=self.batch_token_seconds)
+                                     batch_token_seconds=self.batch_token_seconds, plain_runs=True)
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
         if self.target.tokenizer is None:
@@ -114,6 +115,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_refused()
             raise
         self.sessions.add(session)
+        after_run: asyncio.Future | None = None  # the client's next message, read during a plain run
         try:
             t0 = time.perf_counter()
             more = True
@@ -123,17 +125,34 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if session.kv.length > cached:
                     self.metrics.observe_prefill_chunk()
             prefill_s = time.perf_counter() - t0
-            async for msg in stream:
+            while (msg := await (after_run if after_run is not None else anext(stream, None))) is not None:
+                after_run = None
                 kind = msg.WhichOneof("kind")
                 if kind == "close":
                     break
                 if kind != "verify":
                     raise InvalidRequest(kind or "kind", "expected verify or close after open")
-                reply = await self._verify(session, msg.verify)
-                reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
-                yield reply
+                steps, done = plain_steps(msg.verify), 0
+                while done < steps:
+                    reply = await self._verify(session, msg.verify)
+                    reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
+                    done += 1
+                    yield reply
+                    if done == steps or reply.verified.next_token in self.target.eos_token_ids \
+                            or len(session.seq) >= self.target.max_context:
+                        break
+                    # A plain run: the next step goes on at once, unless the client has spoken
+                    # (its Close after a stop string, say), which is read meanwhile; a client
+                    # that only stopped writing gets the whole run.
+                    after_run = after_run or asyncio.ensure_future(anext(stream, None))
+                    if after_run.done() and after_run.result() is not None:
+                        break
+                if steps > 1:
+                    self.metrics.observe_plain_run(done)
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
+            if after_run is not None:
+                after_run.cancel()
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
             self.executor.submit(session.close)
@@ -200,6 +219,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                 for d in msg.distributions])
         except ValueError as e:
             raise InvalidRequest("distributions", str(e)) from None
+
+
+def plain_steps(msg: target_pb2.Verify) -> int:
+    """The decoding steps a Verify asks for: a plain run's length (Verify.steps) or one."""
+    if msg.steps > 1 and msg.tokens:
+        raise InvalidRequest("steps", "a plain run (steps > 1) verifies no draft tokens")
+    if msg.steps > MAX_PLAIN_STEPS:
+        raise InvalidRequest("steps", f"at most {MAX_PLAIN_STEPS}, got {msg.steps}")
+    return max(msg.steps, 1)
 
 
 def sessions_within_budget(batch_seconds: list[float], budget: float) -> int:

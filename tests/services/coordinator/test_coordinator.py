@@ -128,6 +128,37 @@ def test_sampling_runs_with_both_modes(target_service, hf_draft_service):
         assert 0 < len(ids) <= 24 and not finish.spec_stats["fallback"]
 
 
+def test_the_target_alone_decodes_in_one_plain_run_and_a_stop_string_closes_it(chat_pair, target_service):
+    """A target-only answer is one Verify (a plain run: no round trip per token); a stop string
+    met during the run still closes the target's session cleanly."""
+    reg, model = target_service.servicer.registry, {"model": chat_pair[0].name}
+
+    def runs() -> tuple[float, float]:
+        return (reg.get_sample_value("specd_target_plain_run_steps_count", model) or 0,
+                reg.get_sample_value("specd_target_plain_run_steps_sum", model) or 0)
+
+    def closed_ok() -> float:
+        return reg.get_sample_value("specd_grpc_requests_total", {"service": "target", "method": "Session",
+                                                                  "code": "OK"}) or 0
+
+    before = runs()
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=32), spec=SpecParams("none"))
+    ids, finish = generate(target_service.address, None, request)
+    assert ids == reference(chat_pair[0], PROMPTS[0], 32) and finish.finish_reason == "length"
+    assert runs() == (before[0] + 1, before[1] + 32)
+
+    text = chat_pair[0].tokenizer.decode(ids, skip_special_tokens=True)
+    stop, ok = text[12:15], closed_ok()
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=32, stop=(stop,)),
+                              spec=SpecParams("none"))
+    ids, finish = generate(target_service.address, None, request)
+    assert finish.finish_reason == "stop" and len(ids) < 32
+    deadline = time.monotonic() + 5
+    while closed_ok() < ok + 1:  # recorded as the call unwinds, maybe just after the client saw it end
+        assert time.monotonic() < deadline, "the target's session did not end with OK"
+        time.sleep(0.01)
+
+
 def test_draft_down_falls_back_to_the_target(chat_pair, target_service):
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=16), spec=SpecParams("heuristic"))
     ids, finish = generate(target_service.address, "127.0.0.1:1", request)

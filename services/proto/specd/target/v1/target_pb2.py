@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.specd.common.v1 import common_pb2 as specd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/target/v1/target.proto\x12\x0fspecd.target.v1\x1a\x1cspecd/common/v1/common.proto\"\x9b\x01\n\nTargetInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x16\n\x0everify_seconds\x18\x03 \x03(\x01\x12\x15\n\rbatch_seconds\x18\x04 \x03(\x01\x12\x1b\n\x13\x62\x61tch_token_seconds\x18\x05 \x03(\x01\"y\n\x0eTokenizerFiles\x12\x39\n\x05\x66iles\x18\x01 \x03(\x0b\x32*.specd.target.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x9e\x01\n\rTargetRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.specd.target.v1.OpenTargetH\x00\x12)\n\x06verify\x18\x02 \x01(\x0b\x32\x17.specd.target.v1.VerifyH\x00\x12-\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1c.specd.target.v1.CloseTargetH\x00\x42\x06\n\x04kind\"_\n\nOpenTarget\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x08\"\xf8\x01\n\x06Verify\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x34\n\rdistributions\x18\x04 \x03(\x0b\x32\x1d.specd.common.v1.Distribution\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07relaxed\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x13\n\x0bside_tokens\x18\x08 \x03(\x05\x12\x14\n\x0cside_parents\x18\t \x03(\x05\x42\x14\n\x12_relaxed_threshold\"\r\n\x0b\x43loseTarget\"x\n\x0eTargetResponse\x12-\n\x08verified\x18\x01 \x01(\x0b\x32\x19.specd.target.v1.VerifiedH\x00\x12/\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x1d.specd.target.v1.TargetClosedH\x00\x42\x06\n\x04kind\"\xe9\x02\n\x08Verified\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12 \n\x18\x64\x65\x63ode_seconds_per_token\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x32\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0c \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\r \x03(\x05\"\x0e\n\x0cTargetClosed2\xf1\x01\n\rTargetService\x12\x41\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x1b.specd.target.v1.TargetInfo\x12M\n\x0cGetTokenizer\x12\x1c.specd.common.v1.InfoRequest\x1a\x1f.specd.target.v1.TokenizerFiles\x12N\n\x07Session\x12\x1e.specd.target.v1.TargetRequest\x1a\x1f.specd.target.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/target/v1/target.proto\x12\x0fspecd.target.v1\x1a\x1cspecd/common/v1/common.proto\"\xaf\x01\n\nTargetInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x16\n\x0everify_seconds\x18\x03 \x03(\x01\x12\x15\n\rbatch_seconds\x18\x04 \x03(\x01\x12\x1b\n\x13\x62\x61tch_token_seconds\x18\x05 \x03(\x01\x12\x12\n\nplain_runs\x18\x06 \x01(\x08\"y\n\x0eTokenizerFiles\x12\x39\n\x05\x66iles\x18\x01 \x03(\x0b\x32*.specd.target.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x9e\x01\n\rTargetRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.specd.target.v1.OpenTargetH\x00\x12)\n\x06verify\x18\x02 \x01(\x0b\x32\x17.specd.target.v1.VerifyH\x00\x12-\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1c.specd.target.v1.CloseTargetH\x00\x42\x06\n\x04kind\"_\n\nOpenTarget\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x08\"\x87\x02\n\x06Verify\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x34\n\rdistributions\x18\x04 \x03(\x0b\x32\x1d.specd.common.v1.Distribution\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07relaxed\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x13\n\x0bside_tokens\x18\x08 \x03(\x05\x12\x14\n\x0cside_parents\x18\t \x03(\x05\x12\r\n\x05steps\x18\n \x01(\rB\x14\n\x12_relaxed_threshold\"\r\n\x0b\x43loseTarget\"x\n\x0eTargetResponse\x12-\n\x08verified\x18\x01 \x01(\x0b\x32\x19.specd.target.v1.VerifiedH\x00\x12/\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x1d.specd.target.v1.TargetClosedH\x00\x42\x06\n\x04kind\"\xe9\x02\n\x08Verified\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12 \n\x18\x64\x65\x63ode_seconds_per_token\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x32\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0c \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\r \x03(\x05\"\x0e\n\x0cTargetClosed2\xf1\x01\n\rTargetService\x12\x41\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x1b.specd.target.v1.TargetInfo\x12M\n\x0cGetTokenizer\x12\x1c.specd.common.v1.InfoRequest\x1a\x1f.specd.target.v1.TokenizerFiles\x12N\n\x07Session\x12\x1e.specd.target.v1.TargetRequest\x1a\x1f.specd.target.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFILES_FILESENTRY']._loaded_options = None
   _globals['_TOKENIZERFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_TARGETINFO']._serialized_start=80
-  _globals['_TARGETINFO']._serialized_end=235
-  _globals['_TOKENIZERFILES']._serialized_start=237
-  _globals['_TOKENIZERFILES']._serialized_end=358
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=314
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=358
-  _globals['_TARGETREQUEST']._serialized_start=361
-  _globals['_TARGETREQUEST']._serialized_end=519
-  _globals['_OPENTARGET']._serialized_start=521
-  _globals['_OPENTARGET']._serialized_end=616
-  _globals['_VERIFY']._serialized_start=619
-  _globals['_VERIFY']._serialized_end=867
-  _globals['_CLOSETARGET']._serialized_start=869
-  _globals['_CLOSETARGET']._serialized_end=882
-  _globals['_TARGETRESPONSE']._serialized_start=884
-  _globals['_TARGETRESPONSE']._serialized_end=1004
-  _globals['_VERIFIED']._serialized_start=1007
-  _globals['_VERIFIED']._serialized_end=1368
-  _globals['_TARGETCLOSED']._serialized_start=1370
-  _globals['_TARGETCLOSED']._serialized_end=1384
-  _globals['_TARGETSERVICE']._serialized_start=1387
-  _globals['_TARGETSERVICE']._serialized_end=1628
+  _globals['_TARGETINFO']._serialized_end=255
+  _globals['_TOKENIZERFILES']._serialized_start=257
+  _globals['_TOKENIZERFILES']._serialized_end=378
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=334
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=378
+  _globals['_TARGETREQUEST']._serialized_start=381
+  _globals['_TARGETREQUEST']._serialized_end=539
+  _globals['_OPENTARGET']._serialized_start=541
+  _globals['_OPENTARGET']._serialized_end=636
+  _globals['_VERIFY']._serialized_start=639
+  _globals['_VERIFY']._serialized_end=902
+  _globals['_CLOSETARGET']._serialized_start=904
+  _globals['_CLOSETARGET']._serialized_end=917
+  _globals['_TARGETRESPONSE']._serialized_start=919
+  _globals['_TARGETRESPONSE']._serialized_end=1039
+  _globals['_VERIFIED']._serialized_start=1042
+  _globals['_VERIFIED']._serialized_end=1403
+  _globals['_TARGETCLOSED']._serialized_start=1405
+  _globals['_TARGETCLOSED']._serialized_end=1419
+  _globals['_TARGETSERVICE']._serialized_start=1422
+  _globals['_TARGETSERVICE']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "max_batch_size", "verify_seconds", "batch_seconds", "batch_token_seconds")
+    __slots__ = ("model", "max_batch_size", "verify_seconds", "batch_seconds", "batch_token_seconds", "plain_runs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_batch_size: int
     verify_seconds: _containers.RepeatedScalarFieldContainer[float]
     batch_seconds: _containers.RepeatedScalarFieldContainer[float]
     batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    plain_runs: bool
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., plain_runs: _Optional[bool] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
@@ -55,7 +57,7 @@ class OpenTarget(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs", "side_tokens", "side_parents")
+    __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs", "side_tokens", "side_parents", "steps")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,7 @@ class Verify(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SIDE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
@@ -74,7 +77,8 @@ class Verify(_message.Message):
     top_logprobs: int
     side_tokens: _containers.RepeatedScalarFieldContainer[int]
     side_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    steps: int
+    def __init__(self, verify_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., relaxed_threshold: _Optional[float] = ..., relaxed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class CloseTarget(_message.Message):
     __slots__ = ()
