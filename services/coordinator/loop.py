@@ -192,13 +192,19 @@ class RequestLoop:
             yield out
 
     async def _next_event(self, waiting_on_target: bool) -> tuple[str, object]:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps the wait in a task of its
+        # own, once per event of every request.
+        if not self.events.empty():
+            return self.events.get_nowait()
         if waiting_on_target:
             try:
-                return await asyncio.wait_for(self.events.get(), self.cfg.timeout_s)
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    return await self.events.get()
             except TimeoutError:
                 raise Unavailable(f"target service: no verdict within {self.cfg.timeout_s} s") from None
         try:
-            return await asyncio.wait_for(self.events.get(), self.cfg.draft_stall_s)
+            async with asyncio.timeout(self.cfg.draft_stall_s):
+                return await self.events.get()
         except TimeoutError:
             return "draft_stall", Unavailable(
                 f"draft service: nothing drafted within {self.cfg.draft_stall_s} s (at position "
