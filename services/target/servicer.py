@@ -223,7 +223,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 def plain_steps(msg: target_pb2.Verify) -> int:
     """The decoding steps a Verify asks for: a plain run's length (Verify.steps) or one."""
-    if msg.steps > 1 and msg.tokens:
+    if msg.steps > 1 and (msg.tokens or msg.side_tokens):
         raise InvalidRequest("steps", "a plain run (steps > 1) verifies no draft tokens")
     if msg.steps > MAX_PLAIN_STEPS:
         raise InvalidRequest("steps", f"at most {MAX_PLAIN_STEPS}, got {msg.steps}")

@@ -103,8 +103,9 @@ def test_close_during_a_plain_run_ends_it_there(target_service):
 
 
 @pytest.mark.parametrize("verify", [target_pb2.Verify(verify_id=1, tokens=[3], probs=[1.0], steps=4),
+                                    target_pb2.Verify(verify_id=1, side_tokens=[3], side_parents=[-1], steps=4),
                                     target_pb2.Verify(verify_id=1, steps=MAX_PLAIN_STEPS + 1)],
-                         ids=["with-drafts", "too-long"])
+                         ids=["with-drafts", "with-a-tree", "too-long"])
 def test_a_bad_plain_run_is_invalid_argument_naming_steps(target_service, verify):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _session(target_service.address, [verify])
