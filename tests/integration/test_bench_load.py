@@ -33,7 +33,8 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
             assert s["completed"] == 4 and s["errors"] == 0 and s["refused"] == 0
             answers = {r["prompt"]: r["text"] for r in doc["requests"][level][mode]}
             drafted = sum(r["drafted"] for r in doc["requests"][level][mode])
-            assert (drafted > 0) is (mode != "none")  # spec_stats reach the records
+            if mode != "cost-aware":  # which may rightly find, under load, that drafting does not pay
+                assert (drafted > 0) is (mode != "none")  # spec_stats reach the records
             assert answers[0] == reference(16)[1]  # the in-process target alone's text
         for mode in ("heuristic", "cost-aware"):
             assert doc["compare"][level][mode]["identical_to_none"] == "4/4"

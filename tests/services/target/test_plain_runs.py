@@ -22,10 +22,11 @@ from specd.types import SamplingParams
 from tests.services.conftest import Service
 
 PROMPT = [5, 9, 14, 20, 33, 40]
+GREEDY = SamplingParams(max_new_tokens=64)
 SEEDED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=64)
 
 
-def _session(address, verifies, sampling=SamplingParams(max_new_tokens=64), close_after: int | None = None):
+def _session(address, verifies, sampling=GREEDY, close_after: int | None = None):
     """Open, send each Verify once the one before is answered (a last plain run is read to the
     end of the call): (tokens, replies, closed). close_after: send Close once this many replies have come (during a run), without waiting."""
     async def run():
@@ -57,7 +58,7 @@ def _steps(n: int) -> list[target_pb2.Verify]:
     return [target_pb2.Verify(verify_id=i + 1) for i in range(n)]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=64), SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_plain_run_is_the_same_plain_steps_one_reply_each(target_service, sampling):
     one_by_one, _, _ = _session(target_service.address, _steps(12), sampling)
     run, replies, closed = _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=12)], sampling)
@@ -97,8 +98,8 @@ def test_a_plain_run_ends_at_an_end_of_sequence_token(service_loop, chat_pair, t
 
 def test_close_during_a_plain_run_ends_it_there(target_service):
     steps = 400
-    tokens, replies, closed = _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=steps)],
-                                       close_after=1)
+    _, replies, closed = _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=steps)],
+                                  close_after=1)
     assert closed and 1 <= len(replies) < steps
 
 

@@ -11,7 +11,7 @@ import torch
 
 from specd.errors import InvalidRequest, Overloaded
 from specd.models.graphs import BATCH_BUCKETS, buckets_up_to, pick_bucket
-from specd.models.pool import PoolRow, pooled_extend
+from specd.models.pool import pooled_extend
 from specd.tree import DraftTree
 from specd.types import SamplingParams, SpecParams
 
