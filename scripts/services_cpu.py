@@ -1,6 +1,7 @@
 """The CPU time each service process spends per streamed token: `specd up` on the embedded
-defaults, then one client streaming the first --prompts MT-bench questions sequentially per
-policy, with each service's user + system CPU seconds (from /proc) read before and after. The
+defaults (or --target-model), then one client streaming the first --prompts MT-bench questions
+sequentially per policy, with each service's user + system CPU seconds (from /proc) read before
+and after. The
 coordinator and the gateway are one Python process each, so their CPU milliseconds per token
 bound the tokens per second one of them can stream, whatever the GPU (docs/design.md, "Thin GPU
 coverage").
@@ -50,8 +51,8 @@ def main(argv=None) -> int:
                    help="a fast target (a tiny model directory) leaves the services' own cost, as on a GPU")
     args = p.parse_args(argv)
     questions = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[:args.prompts]]
-    up = subprocess.Popen([sys.executable, "-m", "specd", "up", "--no-sample", "--target-model", args.target_model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True)
+    up = subprocess.Popen([sys.executable, "-m", "specd", "up", "--no-sample", "--target-model", args.target_model],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         for line in up.stdout:
             if "specd is up" in line:
