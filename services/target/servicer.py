@@ -151,8 +151,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     self.metrics.observe_plain_run(done)
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
-            if after_run is not None:
-                after_run.cancel()
+            if after_run is not None and not after_run.cancel() and not after_run.cancelled():
+                after_run.exception()  # read, so that a failed read is not logged as never retrieved
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
             self.executor.submit(session.close)
