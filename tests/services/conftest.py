@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -33,6 +34,15 @@ class LoopThread:
     def stop(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def eventually(check, timeout_s: float = 5.0) -> None:
+    """Server-side bookkeeping runs as a call unwinds, which may be just after the client saw
+    the call end: wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the service did not record it"
+        time.sleep(0.01)
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,6 +17,7 @@ from services.coordinator.api import FinishEvent, GenerateRequest
 from services.coordinator.coordinator import Coordinator, CoordinatorConfig
 from specd.errors import InvalidRequest
 from specd.types import SamplingParams, SpecParams
+from tests.services.conftest import eventually
 
 PROMPT = "Hello there, how are"
 
@@ -26,15 +26,6 @@ def total(registry: CollectorRegistry, name: str, **labels) -> float:
     """Sum of every sample called name whose labels include `labels`."""
     return sum(s.value for family in registry.collect() for s in family.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def eventually(check, timeout_s: float = 5.0) -> None:
-    """Server-side bookkeeping runs as a call unwinds, which may be just after the client saw
-    the call end: wait for it."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "the service did not record it"
-        time.sleep(0.01)
 
 
 def names(registry: CollectorRegistry) -> set[str]:
