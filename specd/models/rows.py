@@ -12,10 +12,10 @@ Each output is one vector of partial sums over the input in the same order, redu
 tree, whatever the number of rows: a row's result does not depend on which rows came with it,
 so a verification window's products equal the decoding steps' bit for bit.
 
-The operator is compiled with the machine's C++ compiler (`-O3 -march=native`, the machine's own
-vector width) the first time it is needed and kept under `<cache dir>/ops/`, keyed by its
-source, torch's version and the CPU. The compiled forward's library calls it by name, so it is
-loaded (`load`) before a library that uses it.
+The operator is compiled with the machine's C++ compiler (`-O3 -march=native`; vectors of 16
+floats where the CPU has AVX-512, else 8) the first time it is needed and kept under
+`<cache dir>/ops/`, keyed by its source, flags, torch's version and the CPU. The compiled
+forward's library calls it by name, so it is loaded (`load`) before a library that uses it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "rows_linear.cpp"
+# No contraction of a product and a sum into one fused multiply-add: the compiler contracted them
+# in some of the kernel's row-block variants and not in others, so a row's result depended on
+# the rows beside it. It costs no speed here (docs/engine.md, "The few-row product").
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w")
 _state: dict[str, str | None] = {}  # "reason": why the operator is not loaded ("" once it is)
 
 
@@ -52,7 +56,7 @@ def _cpu_flags() -> str:
 def _key() -> str:
     from specd.costs import cpu_model
 
-    what = [SOURCE.read_text(), torch.__version__, cpu_model(), _cpu_flags()]
+    what = [SOURCE.read_text(), FLAGS, torch.__version__, cpu_model(), _cpu_flags()]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
@@ -65,8 +69,7 @@ def _build(out: Path, compiler: str) -> None:
     from torch.utils import cpp_extension
 
     lib = Path(torch.__file__).parent / "lib"
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(out),
            f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)

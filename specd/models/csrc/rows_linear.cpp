@@ -8,7 +8,14 @@
 
 namespace {
 
+// One vector of partial sums per (row, output), as wide as the machine's registers: 16 floats
+// with AVX-512, else 8. A 16-float vector on an AVX2-only CPU is split by the compiler into
+// pairs of registers and runs several times slower (docs/bench/kernels-avx2-epyc).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
@@ -17,14 +24,13 @@ inline vec load(const float* p) {
   return v;
 }
 
-typedef float half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-typedef float quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-
-inline float reduce(vec v) {  // a fixed tree: the same order for every output
-  const half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+inline float reduce(vec v) {  // a fixed tree, halving the vector: the same order for every output
+  float a[kLanes];
+  std::memcpy(a, &v, sizeof(a));
+  for (int n = kLanes / 2; n >= 1; n /= 2) {
+    for (int i = 0; i < n; ++i) a[i] += a[i + n];
+  }
+  return a[0];
 }
 
 // RB rows of x against OUTS weight rows: each weight row is read once for all RB rows.
@@ -92,10 +98,13 @@ at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   return y;
 }
 
+int64_t rows_lanes() { return kLanes; }
+
 }  // namespace
 
 TORCH_LIBRARY(specd, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("rows_lanes() -> int", &rows_lanes);  // the floats of one vector, as built here
 }
 
 TORCH_LIBRARY_IMPL(specd, CPU, m) {

@@ -61,3 +61,15 @@ def test_linear_uses_the_operator_only_where_it_fits(product):
         assert not rows.loaded()
         assert torch.equal(rows.linear(x, w), F.linear(x, w))
     assert rows.loaded()
+
+
+def test_its_vectors_are_as_wide_as_the_machines_registers(product):
+    """A vector wider than the registers (16 floats on an AVX2-only CPU) is split by the compiler
+    and made a 9-row window cost 5x a step there (docs/bench/kernels-avx2-epyc)."""
+    flags = set(rows._cpu_flags().split())
+    if "avx512f" in flags:
+        assert torch.ops.specd.rows_lanes() == 16
+    elif "avx" in flags:
+        assert torch.ops.specd.rows_lanes() == 8
+    else:
+        pytest.skip("no AVX: the vector width is not checked on this CPU")
