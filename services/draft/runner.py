@@ -89,6 +89,7 @@ class _Window:
     ended: bool = False
     hit_cap: bool = False
     gated: bool = False  # should_draft declined: a plain round, the drafter did not run
+    stretch: int = 0  # gated: the plain rounds it opens, itself included
 
     @property
     def end(self) -> int:
@@ -198,6 +199,7 @@ class DraftRunner:
             stretch = 1 if by_load or self.trees is not None else self.policy.plain_rounds()
             rounds = max(1, min(stretch, self.max_length - 1 - window.start))
             self.plain_until = window.start + rounds
+            window.stretch = rounds
             self._end(window, "policy", rounds, tree=not by_load)
             return None
         return window
@@ -297,10 +299,13 @@ class DraftRunner:
     def _pace(self, start: int, tokens: int) -> None:
         """Time the round that verified from `start`, from the previous commit to this one (the
         first commit also waited for the prompt's prefill and is not timed). Under PEARL a window
-        verified in parts is timed per part; a chunk with no window of its own is not timed."""
+        verified in parts is timed per part; a chunk with no window of its own is not timed.
+        Nor is the first round of a stretch of plain rounds: it paid the round trip to ask this
+        service, which the stretch's others skip (the target runs them back to back), so they
+        alone time what a plain stretch costs a token."""
         now = time.perf_counter()
         window = next((w for w in self.windows if w.start == start), None)
-        if self.last_commit_at is not None:
+        if self.last_commit_at is not None and (window is None or window.stretch <= 1):
             if window is not None:
                 self.policy.observe_pace(tokens, now - self.last_commit_at, not window.gated)
             elif start < self.plain_until:  # a promised plain round has no window of its own

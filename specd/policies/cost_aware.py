@@ -40,6 +40,12 @@ draft model and the target taking turns on the same cores. While drafting pays a
 is not nearly free, a plain round is run now and then (when the last one has faded from the
 measured pace) to keep that comparison current. Until both kinds of round have been timed, the
 gate uses the cost curve.
+
+Nearly free means that asking the drafter costs next to nothing beside a plain step: its first
+token's draft time and the round's overhead (the round trip between services, which a draft
+service's stretch of plain rounds skips: the target runs them back to back). In process an
+n-gram lookup is nearly free and is never second-guessed; through the services it is not, and
+the clock decides for it as for a model drafter.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ PAYOFF_MARGIN = 0.98  # drafting must realise at least this fraction of the plai
 EXPLORE_BACKOFF = 16  # exploring rounds, while drafting does not pay, space out to this many times `explore`
 PACE_MEMORY = 64.0  # about how many recent rounds the measured pace remembers
 PACE_MIN_WEIGHT = 0.25  # decayed rounds of each kind (drafter ran / did not) before the pace decides
+PROBE_ROUNDS = 2  # a timing probe's plain rounds where a round costs overhead (its first one is not timed)
 
 
 @dataclass(frozen=True)
@@ -204,9 +211,12 @@ class CostAwarePolicy(StoppingPolicy):
         return False
 
     def plain_rounds(self) -> int:
-        """While drafting does not pay, every round up to the next exploring one is plain."""
-        if self.since_explore == 0:  # a plain round that drafting pays for (a probe): this one
-            return 1
+        """While drafting does not pay, every round up to the next exploring one is plain. A
+        probe while it pays is one round, or PROBE_ROUNDS where a round costs overhead: a
+        stretch's first round pays the round trip that the stretch's others skip, and the draft
+        service times only the others (services.draft.runner)."""
+        if self.since_explore == 0:  # plain rounds that drafting pays for (a probe)
+            return PROBE_ROUNDS if self.costs.overhead > 0 else 1
         rounds = self.backoff - self.since_explore
         self.since_explore += rounds - 1
         return rounds
@@ -232,8 +242,9 @@ class CostAwarePolicy(StoppingPolicy):
         return (dt / ds) / (pt / ps)
 
     def _nearly_free(self) -> bool:
-        """A look at the first draft token costs next to nothing (an n-gram lookup)."""
-        return self.costs.t_draft < (1 - PAYOFF_MARGIN) * self.costs.round_time(0)
+        """Asking for a first draft token costs next to nothing: an n-gram lookup in process, not
+        where the round also costs overhead a plain stretch would skip."""
+        return self.costs.t_draft + self.costs.overhead < (1 - PAYOFF_MARGIN) * self.costs.round_time(0)
 
     def _wants_plain_round(self) -> bool:
         """A plain round to time, while drafting pays: when the drafter costs real time and the

@@ -396,6 +396,37 @@ def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it
     assert policy.asked == 2 and policy.paces == [False, False, False]  # the first commit is not timed
 
 
+def test_a_stretch_is_timed_from_its_second_round():
+    """The first round of a stretch paid the round trip to ask this service, which the stretch's
+    other rounds skip (the target runs them back to back): only those time a plain stretch. A
+    drafted round in between is timed as before."""
+    policy = PlainStretches()
+
+    async def run():
+        runner, events, executor, task = started(policy, lookahead=1)
+        commit_id = 0
+        for _ in range(2):  # a stretch of four plain rounds, then a window of one draft
+            await settle()
+            for _ in range(4):
+                commit_id += 1
+                runner.commit(Commit(commit_id, (7,), num_verified=0, num_strict=0))
+                await settle()
+            while executor.pending:
+                executor.step()
+                await settle()
+            end = [e for e in events if isinstance(e, WindowEnd)][-1]
+            drafted = tuple(runner.seq[end.start:end.end])
+            assert len(drafted) == 1
+            commit_id += 1
+            runner.commit(Commit(commit_id, drafted + (7,), num_verified=1, num_strict=1))
+        task.cancel()
+
+    asyncio.run(run())
+    # stretch 1: its first commit is the session's first (never timed); stretch 2: its first is
+    # not timed either, as a stretch's first round
+    assert policy.paces == [False, False, False, True, False, False, False, True]
+
+
 class BranchingSession(FakeSession):
     """Drafts draft_of(position); offers one side branch [7, 8, 9] after any sequence."""
 

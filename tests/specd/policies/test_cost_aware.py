@@ -324,3 +324,33 @@ def test_plain_rounds_announce_the_stretch_to_the_next_exploring_round():
             decisions += [False] * stretched.plain_rounds()
     assert decisions[:40] == per_round
     assert [i for i, d in enumerate(per_round) if d] == [7, 23]
+
+
+# A GPU target through the services: a 2 ms step, an n-gram lookup at next to nothing, and 0.8 ms
+# of round trip a round pays beyond the forward (a plain stretch's later rounds skip it).
+SERVICES_GPU = CostCurve(0.00001, KS, [0.002 + 0.00005 * (n - 1) for n in KS], overhead=0.0008)
+
+
+def test_a_lookup_that_costs_a_round_trip_is_timed_like_a_model_drafter():
+    """In process an n-gram lookup is nearly free and never second-guessed. Through the services
+    each round that asks for one pays a round trip that plain stretches skip, so the policy times
+    plain probes too, and stops drafting when the rounds that asked emit tokens more slowly."""
+    p = policy(SERVICES_GPU, explore=8)
+    decisions = []
+    for _ in range(40):
+        d = p.should_draft()
+        decisions.append(d)
+        if d:
+            p.observe(RoundOutcome(1, 1, (0.5,), False, (), (ngram_step(1, 3),)))
+            p.observe_pace(11, 0.0031 * 10, drafted=True)  # few matches: 1.1 tokens a round
+        else:
+            assert p.plain_rounds() == 2  # a probe: its second round times the stretch
+            p.observe_pace(1, 0.002, drafted=False)
+            break
+    assert decisions.index(False) == 7  # the first probe, on the `explore`-th round
+    assert p.measured_speedup() < 0.98 and not p.drafting_pays()
+    assert [p.should_draft() for _ in range(8)].count(True) == 1  # exploring only
+    # the same evidence in process, where a round costs no overhead: it keeps drafting
+    q = policy(CostCurve(0.00001, KS, [0.002 + 0.00005 * (n - 1) for n in KS]), p.state(), explore=8)
+    assert q.drafting_pays() and all(q.should_draft() for _ in range(300))
+    assert q.plain_rounds() == 1
