@@ -281,6 +281,15 @@ def test_cost_aware_prices_the_next_window_in_the_forward_the_commit_reports():
     assert small_again >= 4
 
 
+async def last_window(runner, events, executor) -> tuple[int, ...]:
+    """Let the runner draft until it waits; the drafts of the last window it ended."""
+    while executor.pending:
+        executor.step()
+        await settle()
+    end = [e for e in events if isinstance(e, WindowEnd)][-1]
+    return tuple(runner.seq[end.start:end.end])
+
+
 class EveryOtherRound(StoppingPolicy):
     """Drafts one token on odd rounds, declines on even ones; records the measured pace."""
 
@@ -311,11 +320,7 @@ def test_the_pace_times_each_round_and_says_whether_the_drafter_ran():
         runner, events, executor, task = started(policy, lookahead=1)
         for commit_id in range(1, 6):
             await settle()
-            while executor.pending:
-                executor.step()
-                await settle()
-            end = [e for e in events if isinstance(e, WindowEnd)][-1]
-            drafted = tuple(runner.seq[end.start:end.end])
+            drafted = await last_window(runner, events, executor)
             runner.commit(Commit(commit_id, drafted + (7,), num_verified=len(drafted), num_strict=len(drafted)))
         task.cancel()
 
@@ -411,11 +416,7 @@ def test_a_stretch_is_timed_from_its_second_round():
                 commit_id += 1
                 runner.commit(Commit(commit_id, (7,), num_verified=0, num_strict=0))
                 await settle()
-            while executor.pending:
-                executor.step()
-                await settle()
-            end = [e for e in events if isinstance(e, WindowEnd)][-1]
-            drafted = tuple(runner.seq[end.start:end.end])
+            drafted = await last_window(runner, events, executor)
             assert len(drafted) == 1
             commit_id += 1
             runner.commit(Commit(commit_id, drafted + (7,), num_verified=1, num_strict=1))
