@@ -342,7 +342,7 @@ def test_a_lookup_that_costs_a_round_trip_is_timed_like_a_model_drafter():
         decisions.append(d)
         if d:
             p.observe(RoundOutcome(1, 1, (0.5,), False, (), (ngram_step(1, 3),)))
-            p.observe_pace(11, 0.0031 * 10, drafted=True)  # few matches: 1.1 tokens a round
+            p.observe_pace(1, 0.0031, drafted=True)  # no match: a step and the round trip to ask
         else:
             assert p.plain_rounds() == 2  # a probe: its second round times the stretch
             p.observe_pace(1, 0.002, drafted=False)
