@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -124,10 +125,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # -- specd up ---------------------------------------------------------------------------------
+LOWEST_PORT = 10000  # where _free_port starts looking
+_given: set[int] = set()  # ports _free_port handed out in this process: never twice
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' source ports from (Linux's default elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range. A port from that range (bind to
+    port 0) was free when planned but could be handed out, while the services before it started,
+    as the source port of an outgoing connection (their own gRPC links, a client's), and the
+    service planned on it then failed to bind (seen once in bench-load). Never the same port
+    twice in one process."""
+    lo, _ = _ephemeral_ports()
+    for _ in range(100):
+        port = random.randrange(LOWEST_PORT, lo) if lo > LOWEST_PORT + 100 else 0
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
+    raise SpecdError("no free loopback port below the ephemeral range")
 
 
 def _plan(args) -> list[tuple[str, list[str], int]]:
