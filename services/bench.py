@@ -56,9 +56,9 @@ def _pin(core: int | None) -> list[str]:
 
 
 def _start(name: str, flags: list[str], core: int | None, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    from services.cli import _free_port, _healthy
+    from services.cli import _healthy, free_port
 
-    port = _free_port()
+    port = free_port()
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
     proc = subprocess.Popen([*_pin(core), sys.executable, "-m", "specd", "serve", name, "--port", str(port),
                              "--threads", "1", *flags], stdout=log, stderr=subprocess.STDOUT)

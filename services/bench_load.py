@@ -445,7 +445,7 @@ def cmd_bench_load(args) -> int:
     import subprocess
     import tempfile
 
-    from services.cli import _free_port, _plan, _stop, start_stack
+    from services.cli import _plan, _stop, free_port, start_stack
     from specd.bench.datasets import dataset_label, load_questions
 
     modes = _csv(args.modes)
@@ -461,7 +461,7 @@ def cmd_bench_load(args) -> int:
     url, server, costs = args.url, args.url, None
     try:
         if url is None:
-            plan = _plan(stack_args(args, _free_port()))
+            plan = _plan(stack_args(args, free_port()))
             for i, extra in ((0, args.target_flags), (1, args.draft_flags)):  # target, then draft
                 name, flags, port = plan[i]
                 plan[i] = (name, flags + extra.split(), port)

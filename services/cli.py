@@ -125,8 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # -- specd up ---------------------------------------------------------------------------------
-LOWEST_PORT = 10000  # where _free_port starts looking
-_given: set[int] = set()  # ports _free_port handed out in this process: never twice
+LOWEST_PORT = 10000  # where free_port starts looking
+_given: set[int] = set()  # ports free_port handed out in this process: never twice
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -138,12 +138,13 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range. A port from that range (bind to
     port 0) was free when planned but could be handed out, while the services before it started,
     as the source port of an outgoing connection (their own gRPC links, a client's), and the
-    service planned on it then failed to bind (seen once in bench-load). Never the same port
-    twice in one process."""
+    service planned on it then failed to bind (seen once in bench-load; a gRPC server, which
+    shares a port, answered for another instead in a test). Never the same port twice in one
+    process."""
     lo, _ = _ephemeral_ports()
     for _ in range(100):
         port = random.randrange(LOWEST_PORT, lo) if lo > LOWEST_PORT + 100 else 0
@@ -165,8 +166,8 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, port) of each service, in start order; the gRPC services also get a free
     metrics port (the gateway serves /metrics on its own port). Every gRPC link is on loopback
     and plaintext, chosen explicitly with --insecure true."""
-    draft, target, coord = _free_port(), _free_port(), _free_port()
-    gateway = args.port or _free_port()
+    draft, target, coord = free_port(), free_port(), free_port()
+    gateway = args.port or free_port()
     cpus = os.cpu_count() or 2
     from specd.drafters import MODEL_FREE, default_drafter
     from specd.models.loading import model_name
@@ -186,15 +187,15 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
             raise SpecdError("--dvi needs --drafter early-exit and --redis-url (the replay stream lives in Redis)")
         draft_flags += ["--dvi", "true", *redis]
         trainer = [("trainer", ["--target-model", args.target_model, "--threads", str(max(1, cpus // 4)), *redis],
-                    _free_port())]
+                    free_port())]
     plaintext = ["--insecure", "true"]
     return [
-        ("target", ["--model", args.target_model, "--metrics-port", str(_free_port()), *plaintext], target),
-        ("draft", [*draft_flags, "--metrics-port", str(_free_port()), *plaintext], draft),
+        ("target", ["--model", args.target_model, "--metrics-port", str(free_port()), *plaintext], target),
+        ("draft", [*draft_flags, "--metrics-port", str(free_port()), *plaintext], draft),
         *trainer,
         ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
                          "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
-                         "--metrics-port", str(_free_port()), *plaintext], coord),
+                         "--metrics-port", str(free_port()), *plaintext], coord),
         ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy,
                      "--auth", "open", *plaintext], gateway),  # loopback only: no API key (_announce says so)
     ]

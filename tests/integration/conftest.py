@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.cli import free_port
 from specd.engine import SpeculativeEngine
 from specd.types import SamplingParams, SpecParams
 
@@ -24,12 +24,6 @@ STARTUP_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 120.0
 MAX_TOKENS = 64  # the longest request; the reference is decoded once, this long
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grpc_healthy(port: int) -> bool:
@@ -50,9 +44,9 @@ class Stack:
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        self.ports = {name: _free_port() for name in ("target", "draft", "coordinator", "gateway")}
+        self.ports = {name: free_port() for name in ("target", "draft", "coordinator", "gateway")}
         # /metrics of each process; the gateway serves it on its own port.
-        self.metrics_ports = {name: _free_port() for name in ("target", "draft", "coordinator")}
+        self.metrics_ports = {name: free_port() for name in ("target", "draft", "coordinator")}
         self.metrics_ports["gateway"] = self.ports["gateway"]
         self.procs: dict[str, subprocess.Popen] = {}
         metrics = {name: ["--metrics-port", str(self.metrics_ports[name])] for name in ("target", "draft", "coordinator")}

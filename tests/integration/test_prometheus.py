@@ -6,7 +6,6 @@ series the processes really export."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from services.cli import free_port
 from services.common.dashboards import alert_expressions, dashboard_expressions, metric_names
 from tests.integration.conftest import HTTP_TIMEOUT_S, MESSAGES, REPO_ROOT, Stack
 
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.embedded
 SHIPPED = REPO_ROOT / "deploy" / "prometheus"
 JOBS = {"specd-draft": "draft", "specd-target": "target", "specd-coordinator": "coordinator",
         "specd-gateway": "gateway"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_config(stack: Stack, rules: Path) -> dict:
@@ -62,7 +56,7 @@ def prometheus(stack: Stack, tmp_path_factory) -> Prometheus:
     tmp = tmp_path_factory.mktemp("prometheus")
     config = tmp / "prometheus.yml"
     config.write_text(yaml.safe_dump(local_config(stack, SHIPPED / "alerts.yml")))
-    port = _free_port()
+    port = free_port()
     with open(tmp / "prometheus.log", "w") as log:
         proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
                                  f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cli import free_port
 from services.common.server import channel
 from services.proto.specd.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.external  # real `specd serve` processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(name: str, log: Path, *flags: str) -> subprocess.Popen:

@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cli import free_port
 from services.common.metrics import new_registry
 from services.common.server import channel
 from services.common.settings import CoordinatorSettings, TargetSettings
@@ -30,12 +31,6 @@ from tests.services.conftest import LoopThread
 REQUEST = GenerateRequest(prompt="Hello there, how are", sampling=SamplingParams(max_new_tokens=16),
                           spec=SpecParams("heuristic"))
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health_status(address: str, service: str = ""):
