@@ -1,10 +1,9 @@
 """The CPU time each service process spends per streamed token: `specd up` on the embedded
 defaults (or --target-model), then one client streaming the first --prompts MT-bench questions
 sequentially per policy, with each service's user + system CPU seconds (from /proc) read before
-and after. The
-coordinator and the gateway are one Python process each, so their CPU milliseconds per token
-bound the tokens per second one of them can stream, whatever the GPU (docs/design.md, "Thin GPU
-coverage").
+and after. The coordinator and the gateway are one Python process each, so their CPU
+milliseconds per token bound the tokens per second one of them can stream, whatever the GPU
+(docs/design.md, "Thin GPU coverage").
 
     python scripts/services_cpu.py --dataset ../shared/datasets/mt_bench_question.jsonl
 """

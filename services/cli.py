@@ -129,13 +129,13 @@ LOWEST_PORT = 10000  # where free_port starts looking
 _given: set[int] = set()  # ports free_port handed out in this process: never twice
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel takes outgoing connections' source ports from (Linux's default elsewhere)."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel takes outgoing connections' source ports from (Linux's
+    default where it cannot be read)."""
     try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
@@ -145,14 +145,11 @@ def free_port() -> int:
     service planned on it then failed to bind (seen once in bench-load; a gRPC server, which
     shares a port, answered for another instead in a test). Never the same port twice in one
     process."""
-    lo, _ = _ephemeral_ports()
+    lo = _ephemeral_low()
     for _ in range(100):
-        port = random.randrange(LOWEST_PORT, lo) if lo > LOWEST_PORT + 100 else 0
-        if port in _given:
-            continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", random.randrange(LOWEST_PORT, lo) if lo > LOWEST_PORT + 100 else 0))
             except OSError:
                 continue
             port = s.getsockname()[1]

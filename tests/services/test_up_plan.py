@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import _ephemeral_ports, _plan
+from services.cli import _ephemeral_low, _plan
 from specd.cli import build_parser
 from specd.errors import SpecdError
 
@@ -110,7 +110,7 @@ def test_the_hybrid_drafter_and_draft_trees_reach_the_draft_service():
 def test_planned_ports_are_free_and_below_the_ephemeral_range():
     """A port from the kernel's ephemeral range can be taken, while the services before it start,
     as the source port of an outgoing connection; the plan picks every port below it."""
-    lo, _ = _ephemeral_ports()
+    lo = _ephemeral_low()
     plan = _plan(_args())
     ports = [port for _, _, port in plan] + [int(f[f.index("--metrics-port") + 1]) for _, f, _ in plan
                                              if "--metrics-port" in f]
