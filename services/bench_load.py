@@ -24,7 +24,10 @@ sees), against services it starts itself (four `specd serve` processes on loopba
   N tokens, arrives with the clients; its TTFT is reported apart (`long_ttft_ms`) and the
   clients' TTFT shows what its prefill cost them.
 - Refused requests: how long the refusal took (`refused_ms`). When the services run here, the
-  resident memory of each process (MB) after the warm-up and after each level (`memory_mb`).
+  resident memory of each process (MB) after the warm-up and after each level (`memory_mb`),
+  and per cell how the target's forwards went, read from its metrics (`target`): forwards/s,
+  sessions and tokens per forward, the wait for returning sessions (--batch-gather) and the
+  sessions a forward started without, and the share of session-steps in plain runs.
 
 Writes results.json, report.md and throughput.png / latency.png under --out.
 """
@@ -263,8 +266,44 @@ def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
     return out
 
 
-async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambda: {}) -> dict:
-    """memory(): resident MB of each service process started here ({} for --url)."""
+TARGET_SAMPLES = ("specd_verify_batch_size_count", "specd_verify_batch_size_sum", "specd_target_forward_tokens_sum",
+                  "specd_verify_gather_seconds_sum", "specd_verify_gather_missed_total",
+                  "specd_target_plain_run_steps_sum", "specd_verify_seconds_sum", "specd_verify_seconds_count")
+
+
+async def scrape(client, url: str | None) -> dict[str, float]:
+    """The target's counters bench-load reads per cell, summed over labels ({} without a URL)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if url is None:
+        return {}
+    text = (await client.get(url)).text
+    out = dict.fromkeys(TARGET_SAMPLES, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+def target_stats(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """How the target's forwards went during one cell (the difference of two scrapes)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    forwards, steps = d["specd_verify_batch_size_count"], d["specd_verify_batch_size_sum"]
+    if not forwards or wall <= 0:
+        return {}
+    return {"forwards_per_s": round(forwards / wall, 1), "sessions_per_forward": round(steps / forwards, 2),
+            "tokens_per_forward": round(d["specd_target_forward_tokens_sum"] / forwards, 2),
+            "forward_ms": round(1e3 * d["specd_verify_seconds_sum"] / max(d["specd_verify_seconds_count"], 1), 3),
+            "gather_ms": round(1e3 * d["specd_verify_gather_seconds_sum"] / forwards, 3),
+            "missed_per_forward": round(d["specd_verify_gather_missed_total"] / forwards, 3),
+            "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0}
+
+
+async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambda: {},
+              target_metrics: str | None = None) -> dict:
+    """memory(): resident MB of each service process started here ({} for --url);
+    target_metrics: the target's /metrics address (per-cell forward statistics)."""
     import httpx
 
     levels = [("c", int(c)) for c in _csv(args.concurrency)] + [("r", float(r)) for r in _csv(args.rates)]
@@ -282,6 +321,7 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
                 order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
                 for mode in order:
                     mbodies = [request_body(mode, b["messages"], args) for b in bodies]
+                    before = await scrape(client, target_metrics)
                     if kind == "c":
                         long_body = request_body(mode, long, args) if args.long_prompt_tokens > 0 else None
                         results, wall = await closed_loop(client, url, mbodies, mode, value, repeat, long_body)
@@ -290,6 +330,8 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
                                                         duration=args.duration)
                     cells.setdefault(level, {}).setdefault(mode, []).extend(results)
                     s = summarize(results, wall, args)
+                    if target_metrics is not None:
+                        s["target"] = target_stats(before, await scrape(client, target_metrics), wall)
                     summary.setdefault(level, {}).setdefault(mode, []).append(s)
                     print(f"{level} {mode} (repeat {repeat}): {s['output_tok_s']} tok/s, TTFT p95 "
                           f"{s['ttft_ms']['p95']} ms, e2e p95 {s['e2e_ms']['p95']} ms, refused {s['refused']}, "
@@ -330,6 +372,15 @@ def report(doc: dict) -> str:
             f"{lvl} {mode}: {r['refused']} ({r['refused_with_retry_after']} with Retry-After), answered in "
             f"p50 {r['refused_ms']['p50']} / p95 {r['refused_ms']['p95']} / max {r['refused_ms']['p99']} ms"
             for lvl, mode, r in refusing) + "."]
+    stats = [(lvl, mode, r["target"]) for lvl, mode, r in runs if r.get("target")]
+    if stats:
+        lines += ["", "The target's forwards (from its metrics; forward ms is the mean a session saw, gather ms "
+                  "the mean wait per forward for the sessions of the last one, missed those it started without):",
+                  "", "| level | mode | forwards/s | sessions/forward | tokens/forward | forward ms | gather ms "
+                  "| missed/forward | plain-run share |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {lvl} | {mode} | {t['forwards_per_s']} | {t['sessions_per_forward']} | {t['tokens_per_forward']} "
+                  f"| {t['forward_ms']} | {t['gather_ms']} | {t['missed_per_forward']} | {t['plain_share']} |"
+                  for lvl, mode, t in stats]
     if doc.get("target_costs"):
         lines += ["", _surface_line(doc["target_costs"])]
     memory = {when: by for when, by in (doc.get("memory_mb") or {}).items() if by}
@@ -470,7 +521,12 @@ def cmd_bench_load(args) -> int:
             costs = asyncio.run(target_costs(f"127.0.0.1:{plan[0][2]}"))
             url = f"http://127.0.0.1:{plan[-1][2]}"
             server = "specd services on loopback: " + "; ".join(f"{n} {' '.join(f)}" for n, f, _ in plan)
-        doc = asyncio.run(run(args, url, bodies, modes, lambda: {name: _rss_mb(p.pid) for name, p in procs.items()}))
+        metrics = None
+        if procs:
+            flags = plan[0][1]
+            metrics = f"http://127.0.0.1:{flags[flags.index('--metrics-port') + 1]}/metrics"
+        doc = asyncio.run(run(args, url, bodies, modes, lambda: {name: _rss_mb(p.pid) for name, p in procs.items()},
+                              metrics))
     finally:
         _stop(procs)
     doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

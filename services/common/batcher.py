@@ -47,6 +47,16 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """How one forward's batch was gathered (what `on_batch` is told before it runs)."""
+    sessions: int
+    tokens: int  # new tokens of every session in it
+    waits: list[float]  # seconds each of its jobs waited in the queue
+    gather_seconds: float = 0.0  # of which the worker spent waiting for the last forward's sessions
+    missed: int = 0  # sessions of the last forward not back when it started (the wait ran out)
+
+
+@dataclass(frozen=True)
 class BatchInfo:
     forward_seconds: float
     batch_size: int
@@ -115,9 +125,9 @@ def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[lis
 
 class StepBatcher:
     def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
-                 on_batch: Callable[[int, int, list[float]], None] | None = None, gather: float = 0.5):
+                 on_batch: Callable[[Gathered], None] | None = None, gather: float = 0.5):
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
-        self.on_batch = on_batch  # called with each forward's sessions, tokens and queue waits
+        self.on_batch = on_batch  # called with how each forward was gathered, before it runs
         self.gather = gather  # wait for returning sessions up to this fraction of the last forward
         self.queue: list[Job] = []
         self.arrived = asyncio.Event()
@@ -147,13 +157,15 @@ class StepBatcher:
         self.returning.discard(session)
         self.arrived.set()
 
-    async def _gather(self) -> list[Job]:
+    async def _gather(self) -> tuple[list[Job], float, int]:
         """The next forward's jobs: every queued one, after waiting (at most `gather` times the
-        last forward) for the sessions the last forward answered."""
+        last forward) for the sessions the last forward answered; with the seconds waited for
+        them and how many had not come back."""
         while not self.queue:
             self.arrived.clear()
             await self.arrived.wait()
-        deadline = time.perf_counter() + self.gather * self.last_forward_s
+        start = time.perf_counter()
+        deadline = start + self.gather * self.last_forward_s
         while self.returning and len(self.queue) < self.max_batch_size:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -163,19 +175,22 @@ class StepBatcher:
                 await asyncio.wait_for(self.arrived.wait(), left)
             except TimeoutError:
                 break
+        waited = time.perf_counter() - start
         jobs, self.queue = self.queue[:self.max_batch_size], self.queue[self.max_batch_size:]
-        return [j for j in jobs if not j.future.cancelled()]  # the client went away
+        # the client went away
+        return [j for j in jobs if not j.future.cancelled()], waited, len(self.returning)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            jobs = await self._gather()
+            jobs, waited, missed = await self._gather()
             if not jobs:
                 continue
             self.last_batch_size = len(jobs)
             t0 = time.perf_counter()
             if self.on_batch is not None:
-                self.on_batch(len(jobs), sum(len(j.ids) for j in jobs), [t0 - j.queued_at for j in jobs])
+                self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs), [t0 - j.queued_at for j in jobs],
+                                       waited, missed))
             try:
                 results = await loop.run_in_executor(self.executor, self._forward, jobs)
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common.batcher import StepBatcher
+from services.common.batcher import Gathered, StepBatcher
 from services.common.compute import compute_thread
 from services.common.convert import model_info
 from services.common.metrics import RpcMetrics, new_registry
@@ -146,8 +146,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                            lambda: self.drafter.lora_version, self.batcher, self.load_caps, trees,
                            curve.t_monotone if curve is not None else None)
 
-    def _on_batch(self, sessions: int, tokens: int, waits: list[float]) -> None:
-        self.metrics.batch_size.observe(sessions)
+    def _on_batch(self, batch: Gathered) -> None:
+        self.metrics.batch_size.observe(batch.sessions)
 
     def _on_step(self, seconds: float) -> None:
         self.metrics.step_s.observe(seconds)

@@ -11,6 +11,10 @@
   specd_verify_queue_seconds              histogram: seconds a verification waited for its forward
                                           pass (behind the running one, and gathering its batch)
   specd_verify_queue_depth                gauge: verifications waiting for a forward pass
+  specd_verify_gather_seconds             histogram: seconds a forward pass waited for the sessions
+                                          the previous one answered to come back (--batch-gather)
+  specd_verify_gather_missed_total        counter: sessions the previous forward answered that were
+                                          not back when the next one started
   specd_target_prefill_chunks_total       counter: prompt chunks prefilled (prefill_chunk tokens each)
   specd_target_decode_seconds_per_token   gauge: the measured cost of one plain decoding step (one
                                           session, one token), measured at start-up and kept current
@@ -31,6 +35,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.batcher import Gathered
 from services.common.metrics import (
     BATCH_BUCKETS,
     MAX_LABELLED_WINDOW,
@@ -71,6 +76,11 @@ class TargetMetrics:
                                         ["model"], buckets=TOKEN_BUCKETS, registry=registry)
         self.queue_s = Histogram("specd_verify_queue_seconds", "seconds a verification waited for its forward",
                                  ["model"], buckets=STEP_BUCKETS, registry=registry)
+        self.gather_s = Histogram("specd_verify_gather_seconds", "seconds a forward waited for the last one's "
+                                  "sessions", ["model"], buckets=STEP_BUCKETS, registry=registry)
+        self.gather_missed = Counter("specd_verify_gather_missed", "sessions of the last forward not back when "
+                                     "the next started", ["model"], registry=registry)
+        self.gather_missed.labels(self.model)
         depth = Gauge("specd_verify_queue_depth", "verifications waiting for a forward", ["model"],
                       registry=registry)
         depth.labels(model).set_function(queue_depth)
@@ -93,13 +103,16 @@ class TargetMetrics:
     def observe_refused(self) -> None:
         self.refused.labels(self.model).inc()
 
-    def observe_batch(self, batch_size: int, tokens: int, waits: list[float]) -> None:
-        """One forward: its sessions, their new tokens, and how long each waited for it."""
-        self.batch_size.labels(self.model).observe(batch_size)
-        self.last_batch.labels(self.model).set(batch_size)
-        self.forward_tokens.labels(self.model).observe(tokens)
-        for w in waits:
+    def observe_batch(self, batch: Gathered) -> None:
+        """One forward: its sessions, their new tokens, how long each waited for it, and how long
+        it waited for the last forward's sessions."""
+        self.batch_size.labels(self.model).observe(batch.sessions)
+        self.last_batch.labels(self.model).set(batch.sessions)
+        self.forward_tokens.labels(self.model).observe(batch.tokens)
+        for w in batch.waits:
             self.queue_s.labels(self.model).observe(w)
+        self.gather_s.labels(self.model).observe(batch.gather_seconds)
+        self.gather_missed.labels(self.model).inc(batch.missed)
 
     def observe_plain_run(self, steps: int) -> None:
         self.plain_runs.labels(self.model).observe(steps)

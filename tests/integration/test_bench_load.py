@@ -26,7 +26,8 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, reference):
     bodies = [{"messages": MESSAGES}] + [{"messages": [{"role": "user", "content": q}]} for q in OTHERS]
-    doc = asyncio.run(bench_load.run(_args(), stack.url, bodies, ["none", "heuristic", "cost-aware"]))
+    doc = asyncio.run(bench_load.run(_args(), stack.url, bodies, ["none", "heuristic", "cost-aware"],
+                                     target_metrics=stack.metrics_url("target")))
     for level in ("c1", "c4"):
         for mode in ("none", "heuristic", "cost-aware"):
             s = doc["summary"][level][mode][0]
@@ -36,6 +37,15 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
             if mode != "cost-aware":  # which may rightly find, under load, that drafting does not pay
                 assert (drafted > 0) is (mode != "none")  # spec_stats reach the records
             assert answers[0] == reference(16)[1]  # the in-process target alone's text
+            target = s["target"]  # how the target's forwards went in this cell, from its metrics
+            assert target["forwards_per_s"] > 0 and target["forward_ms"] > 0
+            assert 1 <= target["sessions_per_forward"] <= int(level[1:])
+            assert target["tokens_per_forward"] >= target["sessions_per_forward"]
+            assert target["gather_ms"] >= 0 and target["missed_per_forward"] >= 0
+            if mode == "none":  # target-only answers are plain runs after their first step
+                assert target["plain_share"] > 0.5
+            if mode == "heuristic":  # every step verifies drafts
+                assert target["plain_share"] < 0.5
         for mode in ("heuristic", "cost-aware"):
             assert doc["compare"][level][mode]["identical_to_none"] == "4/4"
     costs = asyncio.run(bench_load.target_costs(stack.address("target")))  # what results.json records
@@ -44,5 +54,5 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
     report = bench_load.report({**doc, "settings": {"limit": 4, "dataset": "x.jsonl", "max_tokens": 16,
                                                     "temperature": 0.0}, "machine": "m", "server": "s",
                                 "target_costs": costs})
-    assert report.count("| c4 |") == 3
+    assert report.count("| c4 |") == 6  # the requests' table and the target's forwards
     assert "a 1-token forward of one session" in report and "4 sessions x 1 token" in report

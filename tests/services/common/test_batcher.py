@@ -49,12 +49,13 @@ async def _batcher(pooled, gather: float = 0.0, on_batch=None):
         b.close()
 
 
-def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
-    """Batch sizes of three rounds of two sessions, the second of which comes back late."""
-    sizes: list[int] = []
+def _gathered(pooled, gather: float, forget_late: bool = False) -> list:
+    """How the forwards of two rounds of two sessions were gathered, the second session coming
+    back late in the second round."""
+    seen: list = []
 
     async def main():
-        async with _batcher(pooled, gather, lambda b, tokens, waits: sizes.append(b)) as (batcher, a, b):
+        async with _batcher(pooled, gather, seen.append) as (batcher, a, b):
             await _round(batcher, [a, b])  # together: both are expected back
             batcher.last_forward_s = 1.0  # waiting up to gather x 1 s covers the late session
             if forget_late:  # b's request ended instead: a goes on alone at once
@@ -64,7 +65,12 @@ def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
                 await _round(batcher, [a, b], late=b)
 
     asyncio.run(main())
-    return sizes
+    return seen
+
+
+def _run(pooled, gather: float, forget_late: bool = False) -> list[int]:
+    """The batch sizes of those forwards."""
+    return [g.sessions for g in _gathered(pooled, gather, forget_late)]
 
 
 def test_a_session_back_a_moment_late_joins_the_forward_of_the_others(pooled):
@@ -74,6 +80,19 @@ def test_a_session_back_a_moment_late_joins_the_forward_of_the_others(pooled):
 def test_without_the_wait_the_late_session_runs_a_forward_of_its_own(pooled):
     """The negative control: the same arrivals with gathering off split the batch."""
     assert _run(pooled, gather=0.0) == [2, 1, 1]
+
+
+def test_each_forward_reports_its_wait_for_the_last_ones_sessions(pooled):
+    """What the target's metrics export (specd_verify_gather_seconds and _missed_total): the
+    forward that waited for the late session waited about its delay and missed nobody; without
+    the wait, the forward that left it behind missed one session."""
+    first, joined = _gathered(pooled, gather=0.5)
+    assert first.gather_seconds < 0.04 and first.missed == 0
+    assert 0.04 <= joined.gather_seconds < 0.5 and joined.missed == 0
+    assert (joined.sessions, joined.tokens) == (2, 2)
+    split = _gathered(pooled, gather=0.0)
+    assert [g.sessions for g in split] == [2, 1, 1] and split[1].missed == 1
+    assert max(g.gather_seconds for g in split) < 0.04
 
 
 def test_a_session_that_ended_is_not_waited_for(pooled):

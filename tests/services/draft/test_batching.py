@@ -36,7 +36,7 @@ def test_sessions_draft_in_shared_forwards_what_they_draft_alone(tiny_target):
 
     async def main():
         executor = ThreadPoolExecutor(1)
-        batcher = StepBatcher(None, executor, 8, lambda b, tokens, waits: sizes.append(b), gather=0.0)
+        batcher = StepBatcher(None, executor, 8, lambda batch: sizes.append(batch.sessions), gather=0.0)
         events = [[] for _ in PROMPTS]
         runners = [DraftRunner(drafter.open(), build_policy("constant", {"k": K}, {}), SamplingParams(), p,
                                max_length=64, lookahead=1, send_q=False, executor=executor,
