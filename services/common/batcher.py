@@ -212,6 +212,7 @@ class StepBatcher:
         t0 = time.perf_counter()
         out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
                               [j.num_logits for j in jobs], [j.want_hidden for j in jobs], [j.tree for j in jobs])
+        settle(out[-1][0])  # a GPU forward returns before it has run; the verdicts would wait anyway
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
