@@ -10,6 +10,12 @@ arrive a millisecond late start a second forward and the batch splits in two for
 half then runs while the other half travels). A lone session is never kept waiting, since the
 worker only waits for sessions it has answered and that have not come back yet.
 
+A plain run (a session's decoding steps with no round trip between them, `PlainRun`) needs no
+wait: after each forward the worker queues the run's next step itself. Where a forward's plain
+runs outnumber its travelling sessions, the worker starts the next forward before it hands over
+the last one's results, so the servicer's replies (and the travellers' round trips) happen
+while the next forward runs instead of between forwards; the travellers join the forward after.
+
 Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
 (specd.models.batch.batched_extend_hidden).
@@ -44,6 +50,23 @@ class Job:
     want_hidden: bool = False
     queued_at: float = 0.0
     tree: DraftTree | None = None  # ids end with this draft tree's nodes (specd.tree)
+    run: PlainRun | None = None  # a plain run's step: its result goes to run.results, not future
+
+
+@dataclass(eq=False)
+class PlainRun:
+    """A session's decoding steps that follow each other with no round trip (the target's plain
+    runs). After each step's forward the worker asks `next_step` for the next one ((ids, then),
+    or None: the run ends) and queues it at once; each step's (result, BatchInfo), or its error,
+    goes to `results` in order, and None after the last. `stop()` ends it after the steps
+    already started (at most one more result, then None)."""
+    next_step: Callable[[], tuple[list[int], Callable[[torch.Tensor, torch.Tensor | None], object]] | None]
+    results: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stopped: bool = False
+    error: Exception | None = None  # next_step raised: the run's last result, before None
+
+    def stop(self) -> None:
+        self.stopped = True
 
 
 @dataclass(frozen=True)
@@ -135,6 +158,7 @@ class StepBatcher:
         self.last_batch_size = 0
         self.last_forward_s = 0.0
         self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
+        self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
@@ -143,14 +167,24 @@ class StepBatcher:
         """Extend session by ids in the next forward; returns then(logits, hidden) and the
         batch's info (hidden: the last hidden states of the same positions, if wanted). With a
         draft tree, ids end with its nodes and num_logits is len(tree) + 1."""
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._run())
         job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden,
                   time.perf_counter(), tree)
-        self.returning.discard(session)
+        self._enqueue(job)
+        return await job.future
+
+    def start_run(self, session: KVSession | PoolSession, ids: list[int],
+                  then: Callable[[torch.Tensor, torch.Tensor | None], object], run: PlainRun,
+                  want_hidden: bool = False) -> None:
+        """Queue a plain run's first step (ids: the session's uncached tokens); its results,
+        and those of the steps run.next_step gives, arrive in run.results."""
+        self._enqueue(Job(session, ids, 1, then, None, want_hidden, time.perf_counter(), run=run))
+
+    def _enqueue(self, job: Job) -> None:
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._run())
+        self.returning.discard(job.session)
         self.queue.append(job)
         self.arrived.set()
-        return await job.future
 
     def forget(self, session: KVSession | PoolSession) -> None:
         """The session ended: the worker no longer waits for it."""
@@ -175,56 +209,119 @@ class StepBatcher:
                 await asyncio.wait_for(self.arrived.wait(), left)
             except TimeoutError:
                 break
-        waited = time.perf_counter() - start
+        return self._take(), time.perf_counter() - start, len(self.returning)
+
+    def _take(self) -> list[Job]:
+        """Up to a batch of queued jobs, leaving out those nobody waits for any more (the client
+        went away, or its plain run stopped: _end_stopped tells it)."""
         jobs, self.queue = self.queue[:self.max_batch_size], self.queue[self.max_batch_size:]
-        # the client went away
-        return [j for j in jobs if not j.future.cancelled()], waited, len(self.returning)
+        live = []
+        for j in jobs:
+            if j.run is not None and j.run.stopped:
+                self._stopped.append(j.run)
+            elif j.run is not None or not j.future.cancelled():
+                live.append(j)
+        return live
+
+    def _end_stopped(self) -> None:
+        """None to each stopped run whose queued step was left out, after its last results."""
+        for run in self._stopped:
+            run.results.put_nowait(None)
+        self._stopped.clear()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        last: tuple | None = None  # the last forward's jobs, results and going runs, not handed over yet
+        at_once = False  # start the next forward before handing over the last one's results
         while True:
-            jobs, waited, missed = await self._gather()
-            if not jobs:
+            if last is not None and at_once and self.queue:
+                jobs, waited, missed = self._take(), 0.0, len(self.returning)
+            else:
+                if last is not None:
+                    self._hand_over(*last)
+                    last = None
+                jobs, waited, missed = await self._gather()
+            forward = None
+            if jobs:
+                self.last_batch_size = len(jobs)
+                t0 = time.perf_counter()
+                if self.on_batch is not None:
+                    self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs),
+                                           [t0 - j.queued_at for j in jobs], waited, missed))
+                forward = loop.run_in_executor(self.executor, self._forward, jobs)
+            if last is not None:  # the last forward's results travel while this one runs
+                self._hand_over(*last)
+                last = None
+            self._end_stopped()
+            if forward is None:
                 continue
-            self.last_batch_size = len(jobs)
-            t0 = time.perf_counter()
-            if self.on_batch is not None:
-                self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs), [t0 - j.queued_at for j in jobs],
-                                       waited, missed))
             try:
-                results = await loop.run_in_executor(self.executor, self._forward, jobs)
+                results = await forward
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error
-                for j in jobs:
-                    if not j.future.done():
-                        j.future.set_exception(e)
-                continue
+                results = [e] * len(jobs)
             finally:
                 self.last_forward_s = time.perf_counter() - t0
-            self.returning = {j.session for j in jobs if not j.future.done()}
-            for j, r in zip(jobs, results):
-                if not j.future.done():
-                    if isinstance(r, BaseException):
-                        j.future.set_exception(r)
-                    else:
-                        j.future.set_result(r)
+            going = self._queue_next_steps(jobs, results)
+            last = jobs, results, going
+            # Plain runs go on without a round trip, the other sessions travel: where the runs
+            # are the majority, the next forward starts at once and the travellers join the one
+            # after; else they are handed their results first and waited for (_gather).
+            travelling = sum(1 for j in jobs if (j.run is None and not j.future.done())
+                             or (j.run is not None and id(j.run) not in going))
+            at_once = len(going) >= max(travelling, 1)
+
+    def _queue_next_steps(self, jobs: list[Job], results: list) -> set[int]:
+        """Queue the next step of each plain run whose step succeeded and that goes on; the
+        ids of the runs that go on."""
+        going = set()
+        for j, r in zip(jobs, results):
+            if j.run is None or j.run.stopped or isinstance(r, BaseException):
+                continue
+            try:
+                step = j.run.next_step()
+            except Exception as e:  # noqa: BLE001 - the run's error, after this step's result
+                j.run.error, step = e, None
+            if step is not None:
+                ids, then = step
+                self.queue.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run))
+                going.add(id(j.run))
+        return going
+
+    def _hand_over(self, jobs: list[Job], results: list, going: set[int]) -> None:
+        """Each job's result to its waiter (a plain run's last step: then None); the sessions
+        that now travel are waited for."""
+        self.returning = {j.session for j in jobs if (j.run is not None and id(j.run) not in going)
+                          or (j.run is None and not j.future.done())}
+        for j, r in zip(jobs, results):
+            if j.run is not None:
+                j.run.results.put_nowait(r)
+                if id(j.run) not in going:
+                    if j.run.error is not None:
+                        j.run.results.put_nowait(j.run.error)
+                    j.run.results.put_nowait(None)
+            elif not j.future.done():
+                if isinstance(r, BaseException):
+                    j.future.set_exception(r)
+                else:
+                    j.future.set_result(r)
 
     def _forward(self, jobs: list[Job]) -> list[tuple[object, BatchInfo]]:
         t0 = time.perf_counter()
         out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
                               [j.num_logits for j in jobs], [j.want_hidden for j in jobs], [j.tree for j in jobs])
-        settle(out[-1][0])  # a GPU forward returns before it has run; the verdicts would wait anyway
+        # Timed to the verdicts: a GPU forward returns before it has run, and they wait for it.
+        judged = [self._judge(j, lg, h) for j, (lg, h) in zip(jobs, out)]
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
-        return [self._finish(j, lg, h, info) for j, (lg, h) in zip(jobs, out)]
+        return [r if isinstance(r, Exception) else (r, info) for r in judged]
 
     @staticmethod
-    def _finish(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None,
-                info: BatchInfo) -> tuple[object, BatchInfo] | Exception:
+    def _judge(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None) -> object:
         """One job's result, or the error its own `then` raised: that session fails alone, the
         others in the forward get their answers."""
         try:
-            return job.then(logits, hidden), info
+            return job.then(logits, hidden)
         except Exception as e:  # noqa: BLE001 - handed to that job's waiter
             return e
 

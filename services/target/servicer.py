@@ -15,7 +15,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.batcher import StepBatcher, measure_batch_surface
+from services.common.batcher import PlainRun, StepBatcher, measure_batch_surface
 from services.common.compute import compute_thread
 from services.common.convert import (
     distribution_from_proto,
@@ -116,6 +116,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise
         self.sessions.add(session)
         after_run: asyncio.Future | None = None  # the client's next message, read during a plain run
+        run: PlainRun | None = None
         try:
             t0 = time.perf_counter()
             more = True
@@ -132,25 +133,33 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     break
                 if kind != "verify":
                     raise InvalidRequest(kind or "kind", "expected verify or close after open")
-                steps, done = plain_steps(msg.verify), 0
-                while done < steps:
+                steps = plain_steps(msg.verify)
+                if steps == 1:
                     reply = await self._verify(session, msg.verify)
+                    reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
+                    yield reply
+                    continue
+                # A plain run: the batcher queues each next step itself (PlainRun), so the next
+                # forward runs while this step's reply travels. A client that speaks meanwhile
+                # (its Close after a stop string, say) stops it after the steps already started,
+                # which it still gets; one that only stopped writing gets the whole run.
+                run = self._plain_run(session, msg.verify, steps)
+                done = 0
+                while (item := await run.results.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    reply = self._reply(session, msg.verify, *item)
                     reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
                     done += 1
                     yield reply
-                    if done == steps or reply.verified.next_token in self.target.eos_token_ids \
-                            or len(session.seq) >= self.target.max_context:
-                        break
-                    # A plain run: the next step goes on at once, unless the client has spoken
-                    # (its Close after a stop string, say), which is read meanwhile; a client
-                    # that only stopped writing gets the whole run.
                     after_run = after_run or asyncio.ensure_future(anext(stream, None))
                     if after_run.done() and after_run.result() is not None:
-                        break
-                if steps > 1:
-                    self.metrics.observe_plain_run(done)
+                        run.stop()
+                self.metrics.observe_plain_run(done)
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
+            if run is not None:  # no further step once the client is gone
+                run.stop()
             if after_run is not None and not after_run.cancel() and not after_run.cancelled():
                 after_run.exception()  # read, so that a failed read is not logged as never retrieved
             # Queued behind any forward still running, so the cache is not freed under it; not
@@ -176,6 +185,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              f"token, over its latency budget of {1e3 * budget:.0f} ms")
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
+        ids, rows, judge, tree = self._window(session, msg)
+        result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree)
+        return self._reply(session, msg, *result)
+
+    def _window(self, session: TargetSession, msg: target_pb2.Verify):
+        """A verification's (ids to feed, logits rows, judge for the compute thread, draft tree
+        or None); InvalidRequest for a window this session cannot verify."""
         drafts = list(msg.tokens)
         session.check_window(drafts, list(msg.probs), bool(msg.distributions), msg.relaxed, msg.top_logprobs)
         tree = session.tree(drafts, list(msg.side_tokens), list(msg.side_parents), msg.relaxed, msg.top_logprobs)
@@ -192,10 +208,30 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                 msg.top_logprobs, start)
             return verdict, top, features_to_proto(*feats) if feats else None, []
 
-        rows = len(tree) + 1 if tree is not None else len(drafts) + 1
-        (verdict, top, feats, accepted), batch = await self.batcher.submit(session.kv, ids, rows, judge,
-                                                                           session.features, tree)
-        self.metrics.observe_verify(rows - 1, batch.forward_seconds)
+        return ids, len(tree) + 1 if tree is not None else len(drafts) + 1, judge, tree
+
+    def _plain_run(self, session: TargetSession, msg: target_pb2.Verify, steps: int) -> PlainRun:
+        """Start `steps` plain decoding steps; each goes on unless the last ended the text (an
+        end-of-sequence token) or filled the context."""
+        left = steps
+
+        def next_step():
+            nonlocal left
+            left -= 1
+            if not left or session.seq[-1] in self.target.eos_token_ids or len(session.seq) >= self.target.max_context:
+                return None
+            ids, _, judge, _ = self._window(session, msg)
+            return ids, judge
+
+        ids, _, judge, _ = self._window(session, msg)
+        run = PlainRun(next_step)
+        self.batcher.start_run(session.kv, ids, judge, run, session.features)
+        return run
+
+    def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch) -> target_pb2.TargetResponse:
+        """The Verified message of one forward's verdict, observed in the metrics."""
+        verdict, top, feats, accepted = judged
+        self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens), batch.forward_seconds)
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
             self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.batcher import StepBatcher
+from services.common.batcher import PlainRun, StepBatcher
 from specd.costs import smoothed
 
 
@@ -95,6 +95,34 @@ def test_each_forward_reports_its_wait_for_the_last_ones_sessions(pooled):
     assert max(g.gather_seconds for g in split) < 0.04
 
 
+def test_a_session_answered_while_another_queued_is_waited_for_not_left_behind(pooled):
+    """b arrives during a's forward; a, answered, comes straight back. With no plain run in
+    that forward, the worker hands a its result and waits for it rather than starting b's
+    forward at once, which would split the two into alternating halves for good."""
+    import time
+
+    sizes: list[int] = []
+
+    def slow(logits, hidden):
+        time.sleep(0.05)
+        return int(logits[-1].argmax())
+
+    async def main():
+        async with _batcher(pooled, 0.5, lambda batch: sizes.append(batch.sessions)) as (batcher, a, b):
+            async def a_twice():
+                await batcher.submit(a, [7], 1, slow)
+                await batcher.submit(a, [7], 1, slow)
+
+            async def b_during():
+                await asyncio.sleep(0.01)
+                await batcher.submit(b, [7], 1, slow)
+
+            await asyncio.gather(a_twice(), b_during())
+
+    asyncio.run(main())
+    assert sizes == [1, 2]
+
+
 def test_a_session_that_ended_is_not_waited_for(pooled):
     assert _run(pooled, gather=1000.0, forget_late=True) == [2, 1]
 
@@ -163,21 +191,83 @@ def test_the_batched_cost_surface_times_each_forward_until_its_result_exists(tin
     assert forwards and len(settled) == len(forwards)
 
 
-def test_a_served_forward_is_timed_until_its_result_exists(pooled, monkeypatch):
+def test_a_served_forward_is_timed_until_its_verdicts_exist(pooled):
     """Its seconds (the decode cost, the verify-seconds histogram, and the forward the
-    coordinator subtracts from a round trip to find its overhead) include the wait for the
-    logits: an H200's served forwards of 7 sessions read 0.4-0.6 ms while they cost 3.2 ms. Here
-    settling a result takes 50 ms, as a GPU's queued kernels would."""
+    coordinator subtracts from a round trip to find its overhead) run to the verdicts: a GPU
+    forward returns before it has run and the verdicts wait for it (an H200's served forwards
+    of 7 sessions read 0.4-0.6 ms while they cost 3.2 ms). Here a verdict takes 50 ms."""
     import time
 
-    from services.common import batcher as module
-
-    monkeypatch.setattr(module, "settle", lambda logits: time.sleep(0.05))
+    def slow_verdict(logits, hidden):
+        time.sleep(0.05)
+        return int(logits[-1].argmax())
 
     async def main():
         async with _batcher(pooled) as (batcher, a, b):
-            (_, info), = await _round(batcher, [a])
+            _, info = await batcher.submit(a, [7], 1, slow_verdict)
             return info, batcher.decode_cost.value
 
     info, decode_cost = asyncio.run(main())
     assert info.forward_seconds >= 0.05 and decode_cost >= 0.05
+
+
+class _Recorded(asyncio.Queue):
+    """A run's results queue that notes each hand-over in a shared event list."""
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def put_nowait(self, item):
+        self.events.append("result" if item is not None else "end")
+        super().put_nowait(item)
+
+
+def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tuple[list, list]:
+    """One session's plain run of `steps` steps (None: endless) through the batcher: the events
+    (each forward started, each result handed over, the end) and the tokens read. stop_after:
+    the reader stops the run after reading that many results."""
+    events: list = []
+
+    async def main():
+        async with _batcher(pooled, 0.5, lambda batch: events.append("forward")) as (batcher, a, b):
+            left = steps
+
+            def then(logits, hidden):
+                return int(logits[-1].argmax())
+
+            def next_step():
+                nonlocal left
+                if left is not None:
+                    left -= 1
+                    if not left:
+                        return None
+                return [7], then
+
+            run = PlainRun(next_step, _Recorded(events))
+            batcher.start_run(a, [7], then, run)
+            tokens = []
+            while (item := await asyncio.wait_for(run.results.get(), 5.0)) is not None:
+                tokens.append(item[0])
+                if stop_after is not None and len(tokens) == stop_after:
+                    run.stop()
+            await asyncio.sleep(0.05)  # nothing more runs
+            return tokens
+
+    tokens = asyncio.run(main())
+    return events, tokens
+
+
+def test_a_plain_runs_next_step_starts_before_its_last_result_is_handed_over(pooled):
+    """The worker queues a run's next step itself and starts that forward first, so each
+    reply travels while the next forward runs; the last result is followed by the end."""
+    events, tokens = _plain_run(pooled, steps=3)
+    assert events == ["forward", "forward", "result", "forward", "result", "result", "end"]
+    assert len(tokens) == 3
+
+
+def test_a_stopped_plain_run_ends_after_the_step_already_started(pooled):
+    """Stopped after its first result (a client that spoke), a run hands over the step that
+    was already running and ends; no further forward runs for it."""
+    events, tokens = _plain_run(pooled, steps=None, stop_after=1)
+    assert events == ["forward", "forward", "result", "result", "end"]
+    assert len(tokens) == 2
