@@ -374,8 +374,9 @@ def report(doc: dict) -> str:
             for lvl, mode, r in refusing) + "."]
     stats = [(lvl, mode, r["target"]) for lvl, mode, r in runs if r.get("target")]
     if stats:
-        lines += ["", "The target's forwards (from its metrics; forward ms is the mean a session saw, gather ms "
-                  "the mean wait per forward for the sessions of the last one, missed those it started without):",
+        lines += ["", "The target's forwards (from its metrics; forward ms: a forward to its verdicts, the mean a "
+                  "session saw; gather ms: the mean wait per forward for the sessions of the last one; missed: "
+                  "those it started without):",
                   "", "| level | mode | forwards/s | sessions/forward | tokens/forward | forward ms | gather ms "
                   "| missed/forward | plain-run share |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {lvl} | {mode} | {t['forwards_per_s']} | {t['sessions_per_forward']} | {t['tokens_per_forward']} "

@@ -203,7 +203,7 @@ def test_a_served_forward_is_timed_until_its_verdicts_exist(pooled):
         return int(logits[-1].argmax())
 
     async def main():
-        async with _batcher(pooled) as (batcher, a, b):
+        async with _batcher(pooled) as (batcher, a, _b):
             _, info = await batcher.submit(a, [7], 1, slow_verdict)
             return info, batcher.decode_cost.value
 
@@ -229,7 +229,7 @@ def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tupl
     events: list = []
 
     async def main():
-        async with _batcher(pooled, 0.5, lambda batch: events.append("forward")) as (batcher, a, b):
+        async with _batcher(pooled, 0.5, lambda batch: events.append("forward")) as (batcher, a, _b):
             left = steps
 
             def then(logits, hidden):
