@@ -12,9 +12,10 @@ worker only waits for sessions it has answered and that have not come back yet.
 
 A plain run (a session's decoding steps with no round trip between them, `PlainRun`) needs no
 wait: after each forward the worker queues the run's next step itself. Where a forward's plain
-runs outnumber its travelling sessions, the worker starts the next forward before it hands over
-the last one's results, so the servicer's replies (and the travellers' round trips) happen
-while the next forward runs instead of between forwards; the travellers join the forward after.
+runs are at least as many as its travelling sessions, the worker starts the next forward before
+it hands over the last one's results, so the servicer's replies (and the travellers' round
+trips) happen while the next forward runs instead of between forwards; the travellers join the
+forward after.
 
 Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
@@ -264,8 +265,8 @@ class StepBatcher:
             going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
             # Plain runs go on without a round trip, the other sessions travel: where the runs
-            # are the majority, the next forward starts at once and the travellers join the one
-            # after; else they are handed their results first and waited for (_gather).
+            # are at least as many, the next forward starts at once and the travellers join the
+            # one after; else they are handed their results first and waited for (_gather).
             travelling = sum(1 for j in jobs if (j.run is None and not j.future.done())
                              or (j.run is not None and id(j.run) not in going))
             at_once = len(going) >= max(travelling, 1)

@@ -1,9 +1,10 @@
 """Prometheus series of the target service (exported on its metrics port), labelled by
 `model`:
 
-  specd_verify_seconds{window}            histogram: forward-pass seconds of a verification, by its
-                                          number of draft tokens ("0" is a plain decoding step;
-                                          above 16, "17+"); a batched forward counts for each session
+  specd_verify_seconds{window}            histogram: forward-pass seconds of a verification (until
+                                          its verdicts exist), by its number of draft tokens ("0" is
+                                          a plain decoding step; above 16, "17+"); a batched forward
+                                          counts for each session
   specd_verify_batch_size                 histogram: sessions per verification forward pass
   specd_verify_last_batch_size            gauge: sessions in the latest forward pass
   specd_target_forward_tokens             histogram: new tokens per verification forward pass (all
