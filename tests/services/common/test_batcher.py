@@ -271,3 +271,25 @@ def test_a_stopped_plain_run_ends_after_the_step_already_started(pooled):
     events, tokens = _plain_run(pooled, steps=None, stop_after=1)
     assert events == ["forward", "forward", "result", "result", "end"]
     assert len(tokens) == 2
+
+
+def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on(pooled):
+    """The error comes after the step that was computed, then the end; other sessions' steps
+    still run (the worker does not die with the run)."""
+    def then(logits, hidden):
+        return int(logits[-1].argmax())
+
+    def next_step():
+        raise ValueError("the window would pass the context")
+
+    async def main():
+        async with _batcher(pooled) as (batcher, a, b):
+            run = PlainRun(next_step)
+            batcher.start_run(a, [7], then, run)
+            items = [await asyncio.wait_for(run.results.get(), 5.0) for _ in range(3)]
+            after = await asyncio.wait_for(batcher.submit(b, [7], 1, then), 5.0)
+            return items, after
+
+    (first, error, end), (token, info) = asyncio.run(main())
+    assert isinstance(first[0], int) and isinstance(error, ValueError) and end is None
+    assert isinstance(token, int) and info.batch_size == 1
