@@ -103,29 +103,6 @@ def test_close_during_a_plain_run_ends_it_there(target_service):
     assert closed and 1 <= len(replies) < steps
 
 
-def test_a_client_gone_during_a_plain_run_frees_its_session_at_once(target_service):
-    """The run stops with the call: no step is queued after it, and its cache is freed."""
-    servicer = target_service.servicer
-
-    async def run():
-        async with channel(target_service.address) as ch:
-            call = target_pb2_grpc.TargetServiceStub(ch).Session(timeout=30)
-            await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
-                prompt_ids=PROMPT, sampling=sampling_to_proto(GREEDY))))
-            await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1, steps=400)))
-            for _ in range(2):
-                await call.read()
-            call.cancel()
-        for _ in range(200):
-            if not servicer.sessions and not servicer.batcher.queue:
-                return True
-            await asyncio.sleep(0.01)
-        return False
-
-    assert asyncio.run(run())
-    assert servicer._kv_slots()[0] == 0
-
-
 @pytest.mark.parametrize("verify", [target_pb2.Verify(verify_id=1, tokens=[3], probs=[1.0], steps=4),
                                     target_pb2.Verify(verify_id=1, side_tokens=[3], side_parents=[-1], steps=4),
                                     target_pb2.Verify(verify_id=1, steps=MAX_PLAIN_STEPS + 1)],

@@ -20,7 +20,7 @@ from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 
-from tests.services.conftest import Service
+from tests.services.conftest import Service, eventually
 
 PROMPT = [5, 9, 14, 20, 33, 40, 7, 11]
 
@@ -107,6 +107,24 @@ def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, p
             break
         asyncio.run(asyncio.sleep(0.05))
     assert pool.in_use() == 0
+
+
+def test_a_client_gone_during_a_plain_run_frees_its_slot(pooled_service):
+    """The run stops with the call: no step of it is queued any more, and its KV slot is free."""
+    servicer = pooled_service.servicer
+    pool = servicer.target.pool
+
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            call = await _open(target_pb2_grpc.TargetServiceStub(ch))
+            await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1, steps=100)))
+            for _ in range(2):
+                assert (await call.read()).WhichOneof("kind") == "verified"
+            assert pool.in_use() == 1
+            call.cancel()
+
+    asyncio.run(run())
+    eventually(lambda: pool.in_use() == 0 and not servicer.sessions and not servicer.batcher.queue)
 
 
 def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled_service):
