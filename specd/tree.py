@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from specd.errors import InvalidRequest
-from specd.sampling import logits_to_probs, race_scores, sample
+from specd.sampling import argmax_rows, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams, check_branch_count
 
 TREE_BRANCHES = 3  # what `specd bench --trees` runs
@@ -182,7 +182,7 @@ class TreeVerdict:
 
 def verify_tree_greedy(logits: torch.Tensor, tree: DraftTree) -> TreeVerdict:
     """logits [len(tree) + 1, V]: row 0 after the root, row i + 1 after node i."""
-    best = logits.argmax(-1).tolist()
+    best = argmax_rows(logits)
     path, node = [], -1
     while True:
         y = best[node + 1]

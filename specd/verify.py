@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.sampling import js_distance, logits_to_probs, race_scores, sample
+from specd.sampling import argmax_rows, js_distance, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams
 
 
@@ -43,12 +43,19 @@ def _first_false(ok: torch.Tensor) -> int:
     return int(bad[0, 0]) if bad.numel() else ok.numel()
 
 
-def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> Verdict:
+def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor | list[int]) -> Verdict:
     """target_logits [k+1, V], draft [k] -> accepted count and recovered/bonus token."""
-    best = target_logits.argmax(-1)  # [k+1]
-    k = draft.numel()
-    n = _first_false(best[:k] == draft)
-    return Verdict(n, int(best[n]), n)
+    return greedy_verdict(argmax_rows(target_logits), draft.tolist() if torch.is_tensor(draft) else draft)
+
+
+def greedy_verdict(best: list[int], draft: list[int]) -> Verdict:
+    """The greedy verdict from the target's argmax at each of the k+1 positions: one copy to the
+    host per window (or per batched forward, services.common.batcher), then plain Python, where
+    comparing on the device cost a handful of small kernels and two waits for the device."""
+    n = 0
+    while n < len(draft) and best[n] == draft[n]:
+        n += 1
+    return Verdict(n, best[n], n)
 
 
 def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor,
@@ -113,27 +120,28 @@ def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, thresh
 
 def verify_window(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampling: SamplingParams,
                   generator: torch.Generator | None, relaxed_threshold: float | None = None,
-                  relaxed: bool = False, position: int | None = None) -> Verdict:
+                  relaxed: bool = False, position: int | None = None, best: list[int] | None = None) -> Verdict:
     """One verification: target logits [k+1, V] after the committed tokens and x_1..x_k.
 
     q [k, V] is the stacked draft distribution (None: point mass, or greedy where it is not
     read); relaxed turns on AdaSD's rule with relaxed_threshold (None: no relaxation yet);
     position: the sequence index of the window's first token (x_1, or the token sampled when
-    there is no draft), which seeded sampling's draws are keyed by.
+    there is no draft), which seeded sampling's draws are keyed by; best: the logits' argmax
+    per row, where the caller has it (a batched forward's, read once for all its sessions).
     """
     if sampling.coupled and position is None:
         raise ValueError("seeded sampling verifies at a sequence position; none was given")
+    if sampling.greedy and not (relaxed and draft):
+        return greedy_verdict(best if best is not None else argmax_rows(logits), draft)
     x = torch.tensor(draft, dtype=torch.long, device=logits.device)
     if relaxed and draft:
         # p and q as full distributions: at the sampling temperature, or T = 1 for greedy.
         p = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
         scores = race_scores(p, sampling.seed, position) if sampling.coupled else None
         return verify_relaxed(p, q, x, relaxed_threshold, sampling.greedy, generator, scores)
-    if sampling.greedy:
-        return verify_greedy(logits, x)
     p = logits_to_probs(logits, sampling)
     if sampling.coupled:
-        return verify_greedy(race_scores(p, sampling.seed, position), x)
+        return verify_greedy(race_scores(p, sampling.seed, position), draft)
     if not draft:
         return Verdict(0, int(sample(p[0], generator)), 0)
     return verify_sampling(p, q, x, generator)

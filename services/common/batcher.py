@@ -38,6 +38,7 @@ from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
+from specd.sampling import argmax_rows
 from specd.tree import DraftTree
 
 
@@ -52,6 +53,7 @@ class Job:
     queued_at: float = 0.0
     tree: DraftTree | None = None  # ids end with this draft tree's nodes (specd.tree)
     run: PlainRun | None = None  # a plain run's step: its result goes to run.results, not future
+    argmax: bool = False  # then(logits, hidden, best) with each logits row's argmax (read_argmax)
 
 
 @dataclass(eq=False)
@@ -109,6 +111,24 @@ def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]]
     return out
 
 
+def read_argmax(logits: list[torch.Tensor]) -> list[list[int]]:
+    """Each tensor's argmax per row, as ints. On a GPU every read waits for the device, and a
+    greedy verdict read on its own took two waits and a handful of small kernels per session:
+    there the rows of every tensor are read together, once; a CPU reads each in place."""
+    if len(logits) <= 1 or logits[0].device.type == "cpu":
+        return [argmax_rows(lg) for lg in logits]
+    return _read_together(logits)
+
+
+def _read_together(logits: list[torch.Tensor]) -> list[list[int]]:
+    flat = torch.cat([lg.argmax(-1) for lg in logits]).tolist()
+    out, at = [], 0
+    for lg in logits:
+        out.append(flat[at:at + lg.shape[0]])
+        at += lg.shape[0]
+    return out
+
+
 def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[list[float], list[float]]:
     """The batched cost surface at start-up: for B = 1..max_batch sessions after a 64-token
     context each, the median seconds of a forward of one new token per session, and what each
@@ -163,22 +183,24 @@ class StepBatcher:
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
-                     then: Callable[[torch.Tensor, torch.Tensor | None], object],
-                     want_hidden: bool = False, tree: DraftTree | None = None) -> tuple[object, BatchInfo]:
+                     then: Callable[..., object], want_hidden: bool = False, tree: DraftTree | None = None,
+                     argmax: bool = False) -> tuple[object, BatchInfo]:
         """Extend session by ids in the next forward; returns then(logits, hidden) and the
         batch's info (hidden: the last hidden states of the same positions, if wanted). With a
-        draft tree, ids end with its nodes and num_logits is len(tree) + 1."""
+        draft tree, ids end with its nodes and num_logits is len(tree) + 1. argmax: then gets a
+        third argument, the argmax of each logits row as ints, read for every such job of the
+        forward at once."""
         job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden,
-                  time.perf_counter(), tree)
+                  time.perf_counter(), tree, argmax=argmax)
         self._enqueue(job)
         return await job.future
 
-    def start_run(self, session: KVSession | PoolSession, ids: list[int],
-                  then: Callable[[torch.Tensor, torch.Tensor | None], object], run: PlainRun,
-                  want_hidden: bool = False) -> None:
+    def start_run(self, session: KVSession | PoolSession, ids: list[int], then: Callable[..., object],
+                  run: PlainRun, want_hidden: bool = False, argmax: bool = False) -> None:
         """Queue a plain run's first step (ids: the session's uncached tokens); its results,
-        and those of the steps run.next_step gives, arrive in run.results."""
-        self._enqueue(Job(session, ids, 1, then, None, want_hidden, time.perf_counter(), run=run))
+        and those of the steps run.next_step gives, arrive in run.results (argmax: as submit's,
+        for every step)."""
+        self._enqueue(Job(session, ids, 1, then, None, want_hidden, time.perf_counter(), run=run, argmax=argmax))
 
     def _enqueue(self, job: Job) -> None:
         if self._worker is None or self._worker.done():
@@ -284,7 +306,8 @@ class StepBatcher:
                 j.run.error, step = e, None
             if step is not None:
                 ids, then = step
-                self.queue.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run))
+                self.queue.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run,
+                                      argmax=j.argmax))
                 going.add(id(j.run))
         return going
 
@@ -311,18 +334,19 @@ class StepBatcher:
         out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
                               [j.num_logits for j in jobs], [j.want_hidden for j in jobs], [j.tree for j in jobs])
         # Timed to the verdicts: a GPU forward returns before it has run, and they wait for it.
-        judged = [self._judge(j, lg, h) for j, (lg, h) in zip(jobs, out)]
+        best = iter(read_argmax([lg for j, (lg, _) in zip(jobs, out) if j.argmax]))
+        judged = [self._judge(j, lg, h, next(best) if j.argmax else None) for j, (lg, h) in zip(jobs, out)]
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
         return [r if isinstance(r, Exception) else (r, info) for r in judged]
 
     @staticmethod
-    def _judge(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None) -> object:
+    def _judge(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None) -> object:
         """One job's result, or the error its own `then` raised: that session fails alone, the
         others in the forward get their answers."""
         try:
-            return job.then(logits, hidden)
+            return job.then(logits, hidden, best) if job.argmax else job.then(logits, hidden)
         except Exception as e:  # noqa: BLE001 - handed to that job's waiter
             return e
 

@@ -186,7 +186,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         ids, rows, judge, tree = self._window(session, msg)
-        result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree)
+        result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree,
+                                           argmax=session.reads_argmax(msg.relaxed, tree))
         return self._reply(session, msg, *result)
 
     def _window(self, session: TargetSession, msg: target_pb2.Verify):
@@ -199,13 +200,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
         ids, start = session.window(drafts, tree), session.kv.length  # start: the position of ids[0]
 
-        def judge(logits: torch.Tensor, hidden: torch.Tensor | None):
+        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):
             # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
             if tree is not None:
                 verdict, accepted = session.judge_tree(logits, tree, q)
                 return verdict, None, None, accepted
             verdict, top, feats = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
-                                                msg.top_logprobs, start)
+                                                msg.top_logprobs, start, best)
             return verdict, top, features_to_proto(*feats) if feats else None, []
 
         return ids, len(tree) + 1 if tree is not None else len(drafts) + 1, judge, tree
@@ -225,7 +226,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
         ids, _, judge, _ = self._window(session, msg)
         run = PlainRun(next_step)
-        self.batcher.start_run(session.kv, ids, judge, run, session.features)
+        self.batcher.start_run(session.kv, ids, judge, run, session.features, session.reads_argmax(msg.relaxed))
         return run
 
     def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch) -> target_pb2.TargetResponse:

@@ -94,22 +94,29 @@ class TargetSession:
         if not 0 <= top_k <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}")
 
+    def reads_argmax(self, relaxed: bool, tree: DraftTree | None = None) -> bool:
+        """Whether a window's verdict needs only its logits' argmax per row (greedy, a chain, not
+        relaxed): the batcher then reads it with the other sessions' (StepBatcher.submit)."""
+        return self.sampling.greedy and not relaxed and tree is None
+
     def judge(self, logits: torch.Tensor, hidden: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
-              relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int):
+              relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int,
+              best: list[int] | None = None):
         """One window's forward -> (verdict, the top-k log-probabilities of the judged positions
         (up to the first rejection) or None, the committed positions' hidden states from start
-        or None); commits the verdict. start: the position of the window's first fed token."""
-        verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed)
+        or None); commits the verdict. start: the position of the window's first fed token;
+        best: the logits' argmax per row, where the batcher read it."""
+        verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed, best)
         top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
         return verdict, top, feats
 
     def verify(self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-               relaxed_threshold: float | None, relaxed: bool) -> Verdict:
+               relaxed_threshold: float | None, relaxed: bool, best: list[int] | None = None) -> Verdict:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
         committed = len(self.seq)
         verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
-                                committed)
+                                committed, best)
         n = verdict.num_accepted
         self.kv.rollback(committed + n)
         self.seq += drafts[:n] + [verdict.next_token]

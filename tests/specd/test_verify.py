@@ -11,8 +11,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specd.sampling import js_distance, sample
-from specd.verify import Verdict, verify_greedy, verify_relaxed, verify_sampling
+import specd.verify as verify_module
+from specd.sampling import argmax_rows, js_distance, sample
+from specd.types import SamplingParams
+from specd.verify import Verdict, verify_greedy, verify_relaxed, verify_sampling, verify_window
 
 V = 6
 N = 20_000  # verification rounds per distribution test of verify_sampling
@@ -58,6 +60,42 @@ def test_verify_greedy(argmaxes, draft, num_accepted):
     assert verdict.num_strict == num_accepted
     assert verdict.next_token == argmaxes[num_accepted]  # recovered (or bonus) token
     assert verdict.num_relaxed == 0
+    # The same verdict from the argmax rows alone (a batched forward reads them for its sessions).
+    assert verify_window(torch.zeros(len(argmaxes), 8), draft, None, SamplingParams(), None,
+                         best=argmaxes) == verdict
+
+
+NO_KERNEL = ("aten::detach", "detach", "aten::to", "aten::resolve_conj", "aten::resolve_neg")  # .numpy(): no copy
+
+
+def test_a_greedy_verdict_reads_the_rows_argmax_once_then_compares_in_python():
+    """A greedy window's verdict is one read of its rows' argmax, then Python: on a GPU each
+    further small op was a kernel launch and each read of a value a wait for the device (6 ops
+    and two reads a window before). Given the rows' argmax (read for a whole batch), no op."""
+    logits, draft = _forced_logits([3, 1, 4, 1]), [3, 1, 0]
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return argmax_rows(x)
+
+    def ops(**kw) -> list[str]:
+        with torch.profiler.profile() as prof:
+            verdict = verify_window(logits, draft, None, SamplingParams(), None, **kw)
+        assert verdict == Verdict(2, 4, 2)
+        return [e.name for e in prof.events() if e.cpu_parent is None and e.name not in NO_KERNEL]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_module, "argmax_rows", counted)
+        assert ops() == [] and calls == [(4, 8)]  # a CPU reads them through numpy: no torch op either
+        assert ops(best=[3, 1, 4, 1]) == [] and len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax_first_of_equal_maxima(dtype):
+    x = torch.randint(0, 3, (16, 300)).to(dtype)  # many ties
+    x[0, 7] = x[0, 9] = float("nan")
+    assert argmax_rows(x) == x.argmax(-1).tolist()
 
 
 # ---- sampling: distribution tests ----------------------------------------------------------------
@@ -252,8 +290,6 @@ def test_seeded_verification_keeps_exactly_the_targets_seeded_draws():
     """Seeded sampling: a draft is kept up to the first token that is not the target's race
     winner at its position, which is then emitted; the same call unseeded would sample."""
     from specd.sampling import logits_to_probs, race_scores
-    from specd.types import SamplingParams
-    from specd.verify import verify_window
 
     torch.manual_seed(0)
     logits = torch.randn(4, 30)

@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+import torch
 
-from services.common.batcher import PlainRun, StepBatcher
+from services.common.batcher import PlainRun, StepBatcher, _read_together, read_argmax
 from specd.costs import smoothed
 
 
@@ -141,6 +142,42 @@ def test_a_session_whose_step_fails_fails_alone(pooled):
     good, failed = asyncio.run(main())
     assert good[0] == "ok" and good[1].batch_size == 2
     assert isinstance(failed, ValueError)
+
+
+def test_jobs_that_ask_for_the_argmax_get_each_logits_rows_read_together(pooled):
+    """A job submitted with argmax=True is also handed the argmax of each of its logits rows,
+    read from the device once for every such job of the forward; a job without gets (logits,
+    hidden) as before, in the same forward."""
+    def rows(logits, hidden, best):
+        return best, logits.argmax(-1).tolist()
+
+    async def main():
+        async with _batcher(pooled) as (batcher, a, b):
+            return await asyncio.gather(batcher.submit(a, [7, 8, 9], 3, rows, argmax=True),
+                                        batcher.submit(b, [7], 1, lambda logits, hidden: logits.argmax(-1).tolist()))
+
+    (got, info), (plain, _) = asyncio.run(main())
+    best, own = got
+    assert info.batch_size == 2
+    assert best == own and len(best) == 3
+    assert len(plain) == 1
+
+
+def test_the_argmax_of_several_jobs_is_read_together_on_a_device():
+    """read_argmax: each job's rows' argmax, split back per job. A GPU's are read in one copy to
+    the host (a concatenation of the per-job argmax, then one tolist: the path is run here on
+    CPU tensors); a CPU reads each in place, through numpy, without a torch op."""
+    logits = [torch.randn(3, 50), torch.randn(1, 50), torch.randn(2, 50)]
+    want = [lg.argmax(-1).tolist() for lg in logits]
+    with torch.profiler.profile() as prof:
+        together = _read_together(logits)
+    ops = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert together == want
+    assert ops.count("aten::argmax") == 3 and ops.count("aten::cat") == 1
+    with torch.profiler.profile() as prof:
+        assert read_argmax(logits) == want
+    assert not [e for e in prof.events() if e.name in ("aten::argmax", "aten::cat")]
+    assert read_argmax([]) == [] and read_argmax(logits[:1]) == want[:1]
 
 
 def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
