@@ -1,6 +1,6 @@
 """The CPU time each service process spends per streamed token: `specd up` on the embedded
-defaults (or --target-model), then one client streaming the first --prompts MT-bench questions
-sequentially per policy, with each service's user + system CPU seconds (from /proc) read before
+defaults (or --target-model), then --concurrency clients streaming the first --prompts MT-bench
+questions per policy (each client its share, one after another), with each service's user + system CPU seconds (from /proc) read before
 and after. The coordinator and the gateway are one Python process each, so their CPU
 milliseconds per token bound the tokens per second one of them can stream, whatever the GPU
 (docs/design.md, "Thin GPU coverage").
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--policies", default="none,cost-aware,none")
+    p.add_argument("--concurrency", type=int, default=1, help="clients streaming at once")
     p.add_argument("--target-model", default="embedded",
                    help="a fast target (a tiny model directory) leaves the services' own cost, as on a GPU")
     args = p.parse_args(argv)
@@ -64,10 +66,11 @@ def main(argv=None) -> int:
         for policy in args.policies.split(","):
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
-            tokens = sum(stream("http://127.0.0.1:8000", q, policy, args.max_tokens) for q in questions)
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                tokens = sum(pool.map(lambda q: stream("http://127.0.0.1:8000", q, policy, args.max_tokens), questions))
             wall = time.perf_counter() - t0
             per_token = {name: round((cpu_seconds(pid) - before[name]) / tokens * 1e3, 2) for name, pid in pids.items()}
-            print(json.dumps({"policy": policy, "tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 2),
+            print(json.dumps({"policy": policy, "concurrency": args.concurrency, "tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 2),
                               "cpu_ms_per_token": per_token}), flush=True)
     finally:
         os.killpg(up.pid, signal.SIGINT)

@@ -5,6 +5,8 @@ cache."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zipfile
 from dataclasses import replace
 
@@ -29,9 +31,31 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=gen).tolist()
 
 
+# The library with torch's products (test_the_library_calls_the_few_row_product_where_it_builds),
+# compiled by another process into the same cache: a compile keeps one core busy for most of a
+# minute, so the two libraries these tests need compile side by side on a 2-core machine. The
+# test that loads it waits on the cache's lock (AotRunner); were this process to fail, it would
+# compile the library itself.
+PLAIN_LIBRARY = """
+import sys, torch
+from dataclasses import replace
+from specd.models import rows
+from specd.models.tiny import loaded, tiny_llama
+torch.set_num_threads(int(sys.argv[2]))
+model = replace(loaded(tiny_llama(0, layers=4), "tiny-target"), forward="lean")
+with rows.disabled():
+    model.use_pool(2, 128, compiled="on", cache_dir=sys.argv[1])
+"""
+
+
 @pytest.fixture(scope="module")
 def aot_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("aot")
+    path = tmp_path_factory.mktemp("aot")
+    plain = subprocess.Popen([sys.executable, "-c", PLAIN_LIBRARY, str(path), str(torch.get_num_threads())],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield path
+    plain.kill()
+    plain.wait()
 
 
 @pytest.fixture
