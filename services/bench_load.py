@@ -75,6 +75,7 @@ def add_command(sub) -> None:
     b.add_argument("--target-flags", default="", help="extra `specd serve target` flags, e.g. '--kv-slots 0'")
     b.add_argument("--draft-flags", default="", help="extra `specd serve draft` flags, e.g. '--load-draft-caps 8:0'")
     b.add_argument("--no-overlap", action="store_true", help="PEARL off (services started here)")
+    b.add_argument("--coordinators", type=int, default=1, help="coordinator processes (services started here)")
     b.add_argument("--long-prompt-tokens", type=int, default=0,
                    help="closed-loop levels: one more request with a prompt of about this many tokens "
                         "arrives with the clients (0: none)")
@@ -487,10 +488,10 @@ def _machine() -> str:
 
 def stack_args(args, port: int) -> argparse.Namespace:
     """What `specd up` would be given for the stack bench-load starts (services.cli._plan):
-    its defaults, with the drafter, target and overlap asked for here."""
+    its defaults, with the drafter, target, overlap and coordinators asked for here."""
     return argparse.Namespace(port=port, drafter=args.drafter, draft_model=None, target_model=args.target_model,
                               policy="cost-aware", no_overlap=args.no_overlap, redis_url=None, dvi=False,
-                              branches=None)
+                              branches=None, coordinators=getattr(args, "coordinators", 1))
 
 
 def cmd_bench_load(args) -> int:

@@ -60,6 +60,8 @@ def add_commands(sub) -> None:
     up.add_argument("--target-model", default="embedded", help="'embedded' or a transformers directory")
     up.add_argument("--policy", default="cost-aware", help="default stopping policy of requests")
     up.add_argument("--no-overlap", action="store_true", help="turn PEARL overlap off")
+    up.add_argument("--coordinators", type=int, default=1, help="coordinator processes; the gateway's requests "
+                                                                "take turns among them (default 1)")
     up.add_argument("--redis-url", help="Redis for shared policy state (default: in-process memory)")
     up.add_argument("--dvi", action="store_true", help="online learning (DVI): the early-exit draft logs its "
                                                       "verified drafts to Redis and a trainer process improves "
@@ -163,7 +165,10 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, port) of each service, in start order; the gRPC services also get a free
     metrics port (the gateway serves /metrics on its own port). Every gRPC link is on loopback
     and plaintext, chosen explicitly with --insecure true."""
-    draft, target, coord = free_port(), free_port(), free_port()
+    if args.coordinators < 1:
+        raise SpecdError("--coordinators: at least 1")
+    draft, target = free_port(), free_port()
+    coords = [free_port() for _ in range(args.coordinators)]
     gateway = args.port or free_port()
     cpus = os.cpu_count() or 2
     from specd.drafters import MODEL_FREE, default_drafter
@@ -190,12 +195,24 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
         ("target", ["--model", args.target_model, "--metrics-port", str(free_port()), *plaintext], target),
         ("draft", [*draft_flags, "--metrics-port", str(free_port()), *plaintext], draft),
         *trainer,
-        ("coordinator", ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
-                         "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
-                         "--metrics-port", str(free_port()), *plaintext], coord),
-        ("gateway", ["--coordinator-address", f"127.0.0.1:{coord}", "--default-policy", args.policy,
+        *[(f"coordinator-{i + 1}" if i else "coordinator",
+           ["--target-address", f"127.0.0.1:{target}", "--draft-address", f"127.0.0.1:{draft}",
+            "--overlap", str(not args.no_overlap), "--default-policy", args.policy, *redis,
+            "--metrics-port", str(free_port()), *plaintext], port) for i, port in enumerate(coords)],
+        # Several coordinators: one address list, whose calls take turns (services.common.server).
+        ("gateway", ["--coordinator-address", coordinator_address(coords), "--default-policy", args.policy,
                      "--auth", "open", *plaintext], gateway),  # loopback only: no API key (_announce says so)
     ]
+
+
+def coordinator_address(ports: list[int]) -> str:
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return f"ipv4:{addresses}" if len(ports) > 1 else addresses
+
+
+def role(name: str) -> str:
+    """The service a planned process runs ("coordinator-2": a coordinator)."""
+    return name.split("-")[0]
 
 
 def _interrupt(signum, frame):
@@ -236,7 +253,8 @@ def start_stack(plan: list[tuple[str, list[str], int]], procs: dict[str, subproc
     before passes its health check; procs fills as they start (the caller stops them, _stop)."""
     for name, flags, port in plan:
         log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
-        procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", name, "--port", str(port), *flags],
+        procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", role(name), "--port", str(port),
+                                        *flags],
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
         _wait_healthy(name, port, procs, log_dir, timeout_s)
@@ -255,7 +273,7 @@ def _wait_healthy(name: str, port: int, procs, log_dir: Path, timeout_s: float) 
 
 
 def _healthy(name: str, port: int) -> bool:
-    if name in ("gateway", "trainer"):  # HTTP: the gateway's health route, the trainer's /metrics
+    if role(name) in ("gateway", "trainer"):  # HTTP: the gateway's health route, the trainer's /metrics
         import httpx
 
         path = "/health" if name == "gateway" else "/metrics"

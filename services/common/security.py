@@ -49,6 +49,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def address_hosts(address: str) -> list[str]:
+    """The hosts of a gRPC target, every one of a list ("ipv4:a:p,b:p"); [] for a Unix socket."""
+    if address.startswith(("ipv4:", "ipv6:")):
+        scheme, rest = address.split(":", 1)
+        return [h for part in rest.split(",") if (h := address_host(f"{scheme}:{part}")) is not None]
+    host = address_host(address)
+    return [host] if host is not None else []
+
+
 def address_host(address: str) -> str | None:
     """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port", "ipv4:a:p,b:p");
     None for a Unix socket (local by nature)."""
@@ -139,10 +148,9 @@ class GrpcSecurity:
 
     def check_dial(self, *addresses: str) -> None:
         """Refuse (SecurityError) to call a non-loopback address in plaintext without a token unless
-        insecure is set ('' addresses, unset, are skipped)."""
+        insecure is set ('' addresses, unset, are skipped; every address of a list is checked)."""
         for address in addresses:
-            host = address_host(address) if address else None
-            if host is not None:
+            for host in address_hosts(address) if address else []:
                 self._check_plaintext(host, "dial", quiet=True)
 
     def _check_plaintext(self, host: str, verb: str, quiet: bool = False) -> None:

@@ -38,7 +38,15 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 30000),
+    # Every call (a request's stream) goes to the next of the addresses the name resolves to: a
+    # headless Kubernetes Service's pods ("dns:///coordinator:50063"), or a list ("ipv4:127.0.0.1:
+    # 50063,127.0.0.1:50064"). gRPC's default sends every call to the first that answers, so
+    # replicas behind one name shared nothing (docs/deploy.md, "Several replicas").
+    ("grpc.lb_policy_name", "round_robin"),
 ]
+# Clients reconnect, and so resolve the name again, at least this often: a replica added later
+# gets calls within minutes. Calls in flight finish on the old connection (no grace limit).
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_connection_age_ms", 300_000)]
 
 
 def make_server(service_names: list[str], observe: Observe | None = None,
@@ -48,7 +56,7 @@ def make_server(service_names: list[str], observe: Observe | None = None,
     (SERVING for "" and every name) and, when asked, reflection; observe(method, code,
     seconds) is called as each call ends, refused calls included."""
     interceptors = [ErrorInterceptor(observe), *(security or GrpcSecurity()).server_interceptors()]
-    server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection:

@@ -188,8 +188,10 @@ class CoordinatorSettings(GrpcServiceSettings):
 
     port: int = Field(50063, ge=0, le=65535)
     metrics_port: int = Field(9103, ge=0, le=65535, description="port of the Prometheus /metrics endpoint")
-    target_address: str = Field("127.0.0.1:50062", description="host:port of the target service")
-    draft_address: str = Field("127.0.0.1:50061", description="host:port of the draft service ('' = none)")
+    target_address: str = Field("127.0.0.1:50062", description="host:port of the target service (or a list, "
+                                                              "as the gateway's coordinator address)")
+    draft_address: str = Field("127.0.0.1:50061", description="host:port of the draft service ('' = none; "
+                                                             "or a list)")
     overlap: bool = Field(True, description="PEARL: draft the next window while the target verifies "
                                             "(not for a lookup drafter, ngram or retrieval, unless a request "
                                             "asks: it has no drafting time to hide)")
@@ -207,7 +209,9 @@ class GatewaySettings(ServiceSettings, SecurityFields):
     model_config = SettingsConfigDict(env_prefix="SPECD_GATEWAY_")
 
     port: int = Field(8000, ge=0, le=65535)
-    coordinator_address: str = Field("", description="host:port of a coordinator service ('' = in-process)")
+    coordinator_address: str = Field("", description="host:port of a coordinator service, or of several "
+                                                  "(dns:///NAME:PORT, ipv4:HOST:PORT,HOST:PORT: requests "
+                                                  "take turns); '' = in-process")
     target_address: str = Field("127.0.0.1:50062", description="target service, for the in-process coordinator")
     draft_address: str = Field("127.0.0.1:50061", description="draft service, for the in-process coordinator")
     overlap: bool = Field(True, description="PEARL overlap in the in-process coordinator (not for a "

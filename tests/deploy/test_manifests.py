@@ -71,7 +71,7 @@ def metrics_port(kind: str, env: dict) -> int:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, _, port = str(address).rpartition(":")
+    host, _, port = str(address).removeprefix("dns:///").rpartition(":")
     return host, int(port)
 
 
@@ -815,6 +815,22 @@ def test_k8s_addresses_name_existing_services():
         cm["data"] = data
     assert problems == ["coordinator: target:9102 is not the gRPC port of a target Service",
                         "gateway: coordinators:50063 is not a Service with pods"]
+
+
+def test_grpc_services_are_dialed_through_every_pod():
+    """Every gRPC Service a specd process dials (the coordinator, 2 replicas; target and draft,
+    scaled by raising theirs) is headless and dialed as dns:///: one Service IP would pin each
+    client's connection to one pod, and calls are spread per request only over the addresses a
+    name resolves to (services.common.server.CHANNEL_OPTIONS)."""
+    services = {s["metadata"]["name"]: s for s, _ in services_and_backends()}
+    dialed = {}
+    for _, _, kind, env in specd_containers(k8s_docs()):
+        for field, peer in PEERS.get(kind, {}).items():
+            dialed[peer] = env.get(field_env_names(SETTINGS[kind], field)[0])
+    assert set(dialed) == {"coordinator", "target", "draft"}
+    for name, address in dialed.items():
+        assert services[name]["spec"].get("clusterIP") == "None", f"Service {name} is not headless"
+        assert str(address).startswith("dns:///"), f"{name} is dialed as {address}"
 
 
 def test_servicemonitor_scrapes_named_ports():

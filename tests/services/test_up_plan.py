@@ -42,6 +42,25 @@ def test_every_grpc_link_is_loopback_plaintext_chosen_explicitly():
     assert "--insecure" not in plan["trainer"]
     addresses = [flags[i + 1] for flags in plan.values() for i, f in enumerate(flags) if f.endswith("-address")]
     assert addresses and all(a.startswith("127.0.0.1:") for a in addresses)
+    listed = _plan(_args("--coordinators", "2"))[-1][1]
+    assert all(a.startswith("127.0.0.1:") for a in  # a list of coordinators is loopback too
+               listed[listed.index("--coordinator-address") + 1].removeprefix("ipv4:").split(","))
+
+
+def test_several_coordinators_each_get_ports_and_the_gateway_lists_them_all():
+    plan = _plan(_args("--coordinators", "3"))
+    assert [name for name, _, _ in plan] == ["target", "draft", "coordinator", "coordinator-2", "coordinator-3",
+                                             "gateway"]
+    coords = [(flags, port) for name, flags, port in plan if name.startswith("coordinator")]
+    ports = [port for _, port in coords] + [flags[flags.index("--metrics-port") + 1] for flags, _ in coords]
+    assert len(set(ports)) == 6
+    gateway = plan[-1][1]
+    assert gateway[gateway.index("--coordinator-address") + 1] == \
+        "ipv4:" + ",".join(f"127.0.0.1:{port}" for _, port in coords)
+    one = _plan(_args())[-1][1]
+    assert one[one.index("--coordinator-address") + 1].startswith("127.0.0.1:")  # one: a plain host:port
+    with pytest.raises(SpecdError, match="--coordinators"):
+        _plan(_args("--coordinators", "0"))
 
 
 @pytest.mark.parametrize("argv", [["--dvi", "--redis-url", "redis://r"], ["--drafter", "early-exit", "--dvi"]])

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from clients.specd_client import CoordinatorClient
 from services.common.healthcheck import main as healthcheck
-from services.common.security import GrpcSecurity, SecurityError, address_host, is_loopback
+from services.common.security import GrpcSecurity, SecurityError, address_host, address_hosts, is_loopback
 from services.common.server import channel, check_health
 from services.common.settings import CoordinatorSettings, DraftSettings, GatewaySettings, TargetSettings
 from services.common.state import AsyncMemoryStateStore
@@ -328,3 +328,12 @@ def test_loopback_and_address_hosts():
         [True, True, True, True, False, False]
     assert [address_host(a) for a in ("target:50062", "[::1]:1", "dns:///coordinator:50063", "unix:/s")] == \
         ["target", "::1", "coordinator", None]
+    assert address_hosts("ipv4:127.0.0.1:1,10.0.0.5:2") == ["127.0.0.1", "10.0.0.5"]
+    assert address_hosts("ipv6:[::1]:1,[fd00::5]:2") == ["::1", "fd00::5"]
+    assert address_hosts("unix:/s") == [] and address_hosts("target:50062") == ["target"]
+
+
+def test_every_address_of_a_list_is_checked_before_dialing_in_plaintext():
+    GrpcSecurity().check_dial("ipv4:127.0.0.1:1,127.0.0.1:2")
+    with pytest.raises(SecurityError, match="10.0.0.5"):  # not only the first of the list
+        GrpcSecurity().check_dial("ipv4:127.0.0.1:1,10.0.0.5:2")

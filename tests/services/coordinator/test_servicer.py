@@ -206,3 +206,53 @@ def test_command_line(chat_pair, coordinator_service, capsys):
     assert json.loads(stats)["policy"] == "constant"
     assert main(["--address", coordinator_service.address, "--policy", "nope", PROMPT]) == 1
     assert "policy" in capsys.readouterr().err
+
+
+def test_a_gateway_spreads_requests_over_several_coordinators_and_outlives_one(chat_pair, service_loop,
+                                                                                target_service, hf_draft_service):
+    """RemoteBackend dialing a list of two coordinators (as a headless Service's name resolves to
+    its pods): requests go to both, each answering as the target alone; once one is stopped, the
+    next requests are answered by the other."""
+    from prometheus_client import CollectorRegistry
+
+    async def up():
+        registry = CollectorRegistry()
+        coordinator = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
+                                  AsyncMemoryStateStore(), registry)
+        server, port = await start(CoordinatorSettings(port=0, target_address=target_service.address,
+                                                       draft_address=hf_draft_service.address), coordinator)
+        return coordinator, server, port, registry
+
+    started = [service_loop.run(up()) for _ in range(2)]
+    address = "ipv4:" + ",".join(f"127.0.0.1:{port}" for _, _, port, _ in started)
+    want = reference(chat_pair[0], PROMPT, 8)
+
+    def served(registry) -> float:
+        return sum(s.value for m in registry.collect() if m.name == "specd_requests"
+                   for s in m.samples if s.name == "specd_requests_total")
+
+    async def run(n: int) -> list[list[int]]:
+        backend = RemoteBackend(address)
+        await backend.connect()
+        try:
+            answers = []
+            for _ in range(n):
+                request = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_new_tokens=8),
+                                          spec=SpecParams("heuristic"))
+                answers.append([t for ev in [e async for e in backend.generate(request)]
+                                if not isinstance(ev, FinishEvent) for t in ev.token_ids])
+            return answers
+        finally:
+            await backend.close()
+
+    try:
+        assert asyncio.run(run(6)) == [want] * 6
+        assert [served(registry) for *_, registry in started] == [3, 3]
+        coordinator, server, _, _ = started[0]
+        service_loop.run(server.stop(0))
+        assert asyncio.run(run(4)) == [want] * 4
+        assert served(started[1][3]) == 7
+    finally:
+        for coordinator, server, _, _ in started:
+            service_loop.run(server.stop(0))
+            service_loop.run(coordinator.close())
