@@ -11,6 +11,7 @@ milliseconds per token bound the tokens per second one of them can stream, whate
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
-                tokens = sum(pool.map(lambda q, p=policy: stream("http://127.0.0.1:8000", q, p, args.max_tokens), questions))
+                one = functools.partial(stream, "http://127.0.0.1:8000", policy=policy, max_tokens=args.max_tokens)
+                tokens = sum(pool.map(one, questions))
             wall = time.perf_counter() - t0
             per_token = {name: round((cpu_seconds(pid) - before[name]) / tokens * 1e3, 2) for name, pid in pids.items()}
             print(json.dumps({"policy": policy, "concurrency": args.concurrency, "tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 2),
