@@ -44,7 +44,7 @@ import grpc
 
 from services.common.grpc_errors import from_rpc_error
 from services.common.security import GrpcSecurity
-from services.common.server import CHANNEL_OPTIONS
+from services.common.server import channel_options
 from services.coordinator.api import FinishEvent, GenerateRequest, ModelCard
 from services.coordinator.convert import event_from_proto, request_to_proto
 from services.proto.specd.common.v1 import common_pb2
@@ -107,7 +107,7 @@ class CoordinatorClient:
 
     def __init__(self, address: str, security: GrpcSecurity | None = None):
         self.address = address
-        self.channel = (security or GrpcSecurity()).sync_channel(address, CHANNEL_OPTIONS)
+        self.channel = (security or GrpcSecurity()).sync_channel(address, channel_options(address))
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     def info(self, timeout: float = 10) -> ModelCard:
@@ -159,7 +159,7 @@ class AsyncCoordinatorClient:
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         if self._stub is None:
-            self.channel = self.security.aio_channel(self.address, CHANNEL_OPTIONS)
+            self.channel = self.security.aio_channel(self.address, channel_options(self.address))
             self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         return self._stub
 

@@ -38,12 +38,14 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 30000),
-    # Every call (a request's stream) goes to the next of the addresses the name resolves to: a
-    # headless Kubernetes Service's pods ("dns:///coordinator:50063"), or a list ("ipv4:127.0.0.1:
-    # 50063,127.0.0.1:50064"). gRPC's default sends every call to the first that answers, so
-    # replicas behind one name shared nothing (docs/deploy.md, "Several replicas").
-    ("grpc.lb_policy_name", "round_robin"),
 ]
+# Where an address names several processes, each call (a request's stream) goes to the next of
+# them: a headless Kubernetes Service's pods ("dns:///coordinator:50063") or a list ("ipv4:
+# 127.0.0.1:50063,127.0.0.1:50064"). gRPC's default sends every call to the first that answers, so
+# replicas behind one name shared nothing (docs/deploy.md, "Several replicas behind one name").
+# A plain host:port keeps the default: after its one server restarts, the next call connects at
+# once, where round_robin fails calls until its reconnect backoff (up to 2 s) has run out.
+SPREAD = ("grpc.lb_policy_name", "round_robin")
 # Clients reconnect, and so resolve the name again, at least this often: a replica added later
 # gets calls within minutes. Calls in flight finish on the old connection (no grace limit).
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_connection_age_ms", 300_000)]
@@ -159,9 +161,15 @@ async def run_until_signal(server: grpc.aio.Server, grace_s: float = DEFAULT_DRA
             loop.remove_signal_handler(sig)
 
 
+def channel_options(address: str) -> list[tuple[str, object]]:
+    """CHANNEL_OPTIONS, with calls spread over the processes an address names where it names
+    several (a dns: name, a list)."""
+    return [*CHANNEL_OPTIONS, SPREAD] if address.startswith("dns:") or "," in address else CHANNEL_OPTIONS
+
+
 def channel(address: str, security: GrpcSecurity | None = None) -> grpc.aio.Channel:
     """A channel to address, with TLS and the token as security says (plaintext by default)."""
-    return (security or GrpcSecurity()).aio_channel(address, CHANNEL_OPTIONS)
+    return (security or GrpcSecurity()).aio_channel(address, channel_options(address))
 
 
 async def check_health(address: str, timeout_s: float = 2.0, security: GrpcSecurity | None = None,

@@ -15,7 +15,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from clients.specd_client import AsyncCoordinatorClient, Chunk, CoordinatorClient, build_request
-from services.common.server import check_health
+from services.common.server import channel_options, check_health
 from services.common.settings import CoordinatorSettings
 from services.common.state import AsyncMemoryStateStore
 from services.coordinator.api import FinishEvent, GenerateRequest
@@ -245,6 +245,10 @@ def test_a_gateway_spreads_requests_over_several_coordinators_and_outlives_one(c
         finally:
             await backend.close()
 
+    assert channel_options(address)[-1] == ("grpc.lb_policy_name", "round_robin")
+    # one process: the default policy, which reconnects at once after a restart (test_stack's swaps)
+    assert ("grpc.lb_policy_name", "round_robin") not in channel_options("127.0.0.1:1")
+    assert channel_options("dns:///coordinator:50063")[-1] == ("grpc.lb_policy_name", "round_robin")
     try:
         assert asyncio.run(run(6)) == [want] * 6
         assert [served(registry) for *_, registry in started] == [3, 3]
