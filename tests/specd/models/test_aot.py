@@ -20,6 +20,7 @@ from specd.errors import InvalidRequest
 from specd.models import rows
 from specd.models.aot import AotRunner, compile_supported
 from specd.models.pool import PoolRow, pooled_extend
+from specd.models.tiny import loaded, tiny_llama
 from specd.types import SamplingParams, SpecParams
 
 pytestmark = pytest.mark.skipif(compile_supported() is not None, reason=f"{compile_supported()}")
@@ -202,7 +203,10 @@ def test_the_library_calls_the_few_row_product_where_it_builds(tiny_target, aot_
     if not rows.loaded():
         pytest.skip(f"the few-row product cannot be built here: {rows.load(aot_cache)}")
     assert _calls_rows_product(compiled.pool.runner.path)
-    plain = replace(tiny_target, forward="lean")
+    # The same weights as tiny_target, built as PLAIN_LIBRARY builds them: a library's key holds
+    # the model's config, which the session's tiny_target may have had written into by then
+    # (save_pretrained sets its dtype and architectures).
+    plain = replace(loaded(tiny_llama(0, layers=4), "tiny-target"), forward="lean")
     with rows.disabled():  # torch's products: another library, the same forward
         plain.use_pool(2, 128, compiled="on", cache_dir=aot_cache)
     assert plain.pool.runner.path != compiled.pool.runner.path
