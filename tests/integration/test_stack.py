@@ -264,6 +264,7 @@ def test_eight_streams_with_a_model_drafter_share_draft_forwards_and_answer_as_t
     ngram = list(stack.flags["draft"])
     metrics = ngram[ngram.index("--metrics-port"):ngram.index("--metrics-port") + 2]
     _swap_draft(stack, ["--drafter", "early-exit", "--target-model", "embedded", "--threads", "1", *metrics])
+    swapped = stack.log_path("draft")  # this draft's log, which a failure below quotes
     try:
         others = ["Name three uses of a queue.", "What is a prime number?", "Write one sentence about rain."]
         prompts = [MESSAGES] + [[{"role": "user", "content": q}] for q in others]
@@ -275,7 +276,8 @@ def test_eight_streams_with_a_model_drafter_share_draft_forwards_and_answer_as_t
         _swap_draft(stack, ngram)
     for mode in ("none", "constant", "cost-aware"):
         s = doc["summary"]["c8"][mode][0]
-        assert s["completed"] == 8 and s["errors"] == 0 and s["fallbacks"] == 0, s
+        assert s["completed"] == 8 and s["errors"] == 0 and s["fallbacks"] == 0, \
+            f"{s}\n--- the early-exit draft's log ---\n{swapped.read_text(errors='replace')[-3000:]}"
     answers = {r["prompt"]: r["text"] for r in doc["requests"]["c8"]["constant"]}
     assert answers[0] == reference(12)[1]
     for mode in ("constant", "cost-aware"):
