@@ -1,0 +1,70 @@
+"""services.common.server's connection ageing: a server closes each connection after
+SERVER_OPTIONS' max age (so that clients of a dns: name resolve it again), yet a stream in flight
+goes on past it (a long generation is not cut), and the next call on the same channel gets through
+on a new connection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+import services.common.server as server_module
+from services.common.server import channel, make_server
+
+AGE_S = 0.3
+
+
+def _streaming(server: grpc.aio.Server) -> None:
+    """/t.T/Stream: b"first", then after four ages b"after", as raw bytes."""
+    async def stream(request, context):
+        yield b"first"
+        await asyncio.sleep(4 * AGE_S)  # past the age (and gRPC's jitter of it)
+        yield b"after"
+
+    async def unary(request, context):
+        return b"ok"
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        "Unary": grpc.unary_unary_rpc_method_handler(unary)})])
+
+
+def _run(age_ms: int | None, monkeypatch) -> tuple[list[bytes], bytes, list]:
+    options = [o for o in server_module.SERVER_OPTIONS if o[0] != "grpc.max_connection_age_ms"]
+    monkeypatch.setattr(server_module, "SERVER_OPTIONS",
+                        options + ([("grpc.max_connection_age_ms", age_ms)] if age_ms else []))
+    states = []
+
+    async def main():
+        server, _ = make_server([])
+        _streaming(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_stream("/t.T/Stream")(b"")
+                got = [m async for m in call]
+                states.append(ch.get_state())  # READY while the first connection lasts
+                reply = await ch.unary_unary("/t.T/Unary")(b"", timeout=5)
+            return got, reply
+        finally:
+            await server.stop(0)
+
+    got, reply = asyncio.run(main())
+    return got, reply, states
+
+
+def test_a_stream_outlives_its_connections_age_and_the_next_call_reconnects(monkeypatch):
+    assert ("grpc.max_connection_age_ms", 300_000) in server_module.SERVER_OPTIONS  # what the services run
+    got, reply, states = _run(int(AGE_S * 1e3), monkeypatch)
+    assert got == [b"first", b"after"] and reply == b"ok"
+    assert states != [grpc.ChannelConnectivity.READY]  # the aged connection was closed
+
+
+def test_without_an_age_the_connection_stays(monkeypatch):
+    """The control: without the option the channel is still on its first connection, so the
+    state the test above reads shows the ageing."""
+    got, reply, states = _run(None, monkeypatch)
+    assert got == [b"first", b"after"] and reply == b"ok"
+    assert states == [grpc.ChannelConnectivity.READY]
