@@ -11,14 +11,11 @@ half then runs while the other half travels). A lone session is never kept waiti
 worker only waits for sessions it has answered and that have not come back yet.
 
 A plain run (a session's decoding steps with no round trip between them, `PlainRun`) needs no
-wait: after each forward the run's next step is queued at once. While a forward holds plain runs
-only and no other job waits, the compute thread runs their next forwards itself, one after the
-other, handing each one's results to the event loop as they come: the forwards keep the device's
-pace, not the event loop's, and a loop busy sending replies finds several steps of a run ready
-at once. Otherwise, where a forward's plain runs are at least as many as its travelling
-sessions, the worker starts the next forward before it hands over the last one's results, so the
-servicer's replies (and the travellers' round trips) happen while the next forward runs instead
-of between forwards; the travellers join the forward after.
+wait: after each forward the worker queues the run's next step itself. Where a forward's plain
+runs are at least as many as its travelling sessions, the worker starts the next forward before
+it hands over the last one's results, so the servicer's replies (and the travellers' round
+trips) happen while the next forward runs instead of between forwards; the travellers join the
+forward after.
 
 Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
@@ -183,7 +180,6 @@ class StepBatcher:
         self.last_forward_s = 0.0
         self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
         self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
-        self.closed = False
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
@@ -270,8 +266,12 @@ class StepBatcher:
                 jobs, waited, missed = await self._gather()
             forward = None
             if jobs:
-                self._observe_batch(jobs, waited, missed)
-                forward = loop.run_in_executor(self.executor, self._steps, jobs, loop)
+                self.last_batch_size = len(jobs)
+                t0 = time.perf_counter()
+                if self.on_batch is not None:
+                    self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs),
+                                           [t0 - j.queued_at for j in jobs], waited, missed))
+                forward = loop.run_in_executor(self.executor, self._forward, jobs)
             if last is not None:  # the last forward's results travel while this one runs
                 self._hand_over(*last)
                 last = None
@@ -279,10 +279,12 @@ class StepBatcher:
             if forward is None:
                 continue
             try:
-                jobs, results, steps, going = await forward
+                results = await forward
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error
-                results, steps, going = [e] * len(jobs), [], set()
-            self.queue += steps
+                results = [e] * len(jobs)
+            finally:
+                self.last_forward_s = time.perf_counter() - t0
+            going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
             # Plain runs go on without a round trip, the other sessions travel: where the runs
             # are at least as many, the next forward starts at once and the travellers join the
@@ -291,46 +293,10 @@ class StepBatcher:
                              or (j.run is not None and id(j.run) not in going))
             at_once = len(going) >= max(travelling, 1)
 
-    def _observe_batch(self, jobs: list[Job], waited: float = 0.0, missed: int = 0) -> None:
-        self.last_batch_size = len(jobs)
-        if self.on_batch is not None:
-            now = time.perf_counter()
-            self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs), [now - j.queued_at for j in jobs],
-                                   waited, missed))
-
-    def _steps(self, jobs: list[Job], loop: asyncio.AbstractEventLoop) -> tuple[list[Job], list, list[Job], set[int]]:
-        """On the compute thread: the jobs' forward, then, while the forward held plain runs
-        only, every one goes on and nothing else waits for the thread, their next steps'
-        forwards right away, each one's results handed to the event loop as they come. The
-        forwards then keep the device's pace rather than the event loop's, and a loop busy
-        sending replies finds several steps of a run ready at once (one message for them: the
-        target servicer). Returns the last forward's jobs and results, the next steps of its
-        runs that go on, and those runs' ids."""
-        while True:
-            try:
-                results = self._forward(jobs)
-            except Exception as e:  # noqa: BLE001 - every waiting session gets the error
-                results = [e] * len(jobs)
-            steps, going = self._next_steps(jobs, results)
-            if self.closed or len(going) < len(jobs) or self._others_wait():
-                return jobs, results, steps, going
-            self._observe_batch(steps)
-            try:  # the results travel while the next forward runs
-                loop.call_soon_threadsafe(self._hand_over, jobs, results, going)
-            except RuntimeError:  # the event loop is closed: the service is stopping
-                return jobs, results, [], set()
-            jobs = steps
-
-    def _others_wait(self) -> bool:
-        """Other work waits for the compute thread: queued jobs, or tasks of its own (a new
-        session's prefill, a closed session's release)."""
-        tasks = getattr(self.executor, "_work_queue", None)  # a ThreadPoolExecutor's queue
-        return bool(self.queue) or (tasks is not None and not tasks.empty())
-
-    def _next_steps(self, jobs: list[Job], results: list) -> tuple[list[Job], set[int]]:
-        """The next step of each plain run whose step succeeded and that goes on, and the ids of
-        those runs."""
-        steps, going = [], set()
+    def _queue_next_steps(self, jobs: list[Job], results: list) -> set[int]:
+        """Queue the next step of each plain run whose step succeeded and that goes on; the
+        ids of the runs that go on."""
+        going = set()
         for j, r in zip(jobs, results):
             if j.run is None or j.run.stopped or isinstance(r, BaseException):
                 continue
@@ -340,10 +306,10 @@ class StepBatcher:
                 j.run.error, step = e, None
             if step is not None:
                 ids, then = step
-                steps.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run,
-                                 argmax=j.argmax))
+                self.queue.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run,
+                                      argmax=j.argmax))
                 going.add(id(j.run))
-        return steps, going
+        return going
 
     def _hand_over(self, jobs: list[Job], results: list, going: set[int]) -> None:
         """Each job's result to its waiter (a plain run's last step: then None); the sessions
@@ -371,7 +337,6 @@ class StepBatcher:
         best = iter(read_argmax([lg for j, (lg, _) in zip(jobs, out) if j.argmax]))
         judged = [self._judge(j, lg, h, next(best) if j.argmax else None) for j, (lg, h) in zip(jobs, out)]
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
-        self.last_forward_s = info.forward_seconds
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
         return [r if isinstance(r, Exception) else (r, info) for r in judged]
@@ -386,6 +351,5 @@ class StepBatcher:
             return e
 
     def close(self) -> None:
-        self.closed = True  # a run of steps on the compute thread ends after its forward
         if self._worker is not None:
             self._worker.cancel()

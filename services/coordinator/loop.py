@@ -114,18 +114,6 @@ class LoopConfig:
     plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
 
 
-def plain_steps(msg: target_pb2.TargetResponse) -> list[target_pb2.TargetResponse]:
-    """A target reply as the plain steps it answers: itself, then one reply per later token (a
-    plain run's steps sent together, Verified.later_tokens), each a plain step of that forward."""
-    if msg.WhichOneof("kind") != "verified" or not msg.verified.later_tokens:
-        return [msg]
-    v = msg.verified
-    return [msg] + [target_pb2.TargetResponse(verified=target_pb2.Verified(
-        verify_id=v.verify_id, next_token=t, forward_seconds=v.forward_seconds, batch_size=v.batch_size,
-        batch_tokens=v.batch_tokens, decode_seconds_per_token=v.decode_seconds_per_token))
-        for t in v.later_tokens]
-
-
 def settled_status(call) -> tuple[grpc.StatusCode, str]:
     """A finished call's (code, details), read without waiting: its status coroutines return at
     once when the status is set, so this runs in a done callback, before any later change."""
@@ -194,9 +182,8 @@ class RequestLoop:
             if source == "target":
                 if chunk is None:
                     raise Unavailable("target service answered a verification nobody asked for")
-                for step in plain_steps(msg):
-                    out += await self._on_verified(step, chunk)
-                    self.replies_due -= 1
+                out += await self._on_verified(msg, chunk)
+                self.replies_due -= 1
                 if not self.replies_due:
                     chunk = None
             else:

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
 MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-_WAIT = object()  # a plain run's next result is still to come
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -146,27 +144,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 # (its Close after a stop string, say) stops it after the steps already started,
                 # which it still gets; one that only stopped writing gets the whole run.
                 run = self._plain_run(session, msg.verify, steps)
-                done, item = 0, await run.results.get()
-                while item is not None:
+                done = 0
+                while (item := await run.results.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
-                    # Steps computed while the last reply was being sent go in one message: a
-                    # service whose replies fall behind its forwards pays per message, not per step.
-                    ready, item = [item], _WAIT
-                    while not session.features and not run.results.empty():
-                        if (item := run.results.get_nowait()) is None or isinstance(item, BaseException):
-                            break
-                        ready.append(item)
-                        item = _WAIT
-                    reply = self._reply(session, msg.verify, *ready[0], later=ready[1:])
+                    reply = self._reply(session, msg.verify, *item)
                     reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
-                    done += len(ready)
+                    done += 1
                     yield reply
                     after_run = after_run or asyncio.ensure_future(anext(stream, None))
                     if after_run.done() and after_run.result() is not None:
                         run.stop()
-                    if item is _WAIT:
-                        item = await run.results.get()
                 self.metrics.observe_plain_run(done)
             yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
         finally:
@@ -241,18 +229,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher.start_run(session.kv, ids, judge, run, session.features, session.reads_argmax(msg.relaxed))
         return run
 
-    def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch,
-               later: Sequence[tuple] = ()) -> target_pb2.TargetResponse:
-        """The Verified message of one forward's verdict, and of a plain run's `later` steps
-        ((judged, batch) each, their tokens in later_tokens), observed in the metrics."""
+    def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch) -> target_pb2.TargetResponse:
+        """The Verified message of one forward's verdict, observed in the metrics."""
         verdict, top, feats, accepted = judged
-        window = len(msg.tokens) + len(msg.side_tokens)
-        self.metrics.observe_verify(window, batch.forward_seconds)
-        for _, b in later:
-            self.metrics.observe_verify(window, b.forward_seconds)
+        self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens), batch.forward_seconds)
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
-            self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1 + len(later)))
+            self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
             self.token_time_at = now
         session.last_reply_at = now
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
@@ -260,8 +243,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
-            decode_seconds_per_token=self.batcher.decode_cost.value,
-            later_tokens=[j[0].next_token for j, _ in later]))
+            decode_seconds_per_token=self.batcher.decode_cost.value))
 
     def _distributions(self, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""

@@ -5,13 +5,12 @@ cost-aware policy."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from services.coordinator.coordinator import Coordinator
-from services.coordinator.loop import LoopConfig, RequestLoop, plain_steps
+from services.coordinator.loop import LoopConfig, RequestLoop
 from services.proto.specd.target.v1 import target_pb2
 from specd.costs import MovingAverage
 from specd.types import SamplingParams, SpecParams
@@ -89,29 +88,3 @@ def test_a_write_that_raced_a_refusal_reports_the_refusal():
     loop = _loop()
     loop.target_call = RacingCall()
     assert isinstance(asyncio.run(loop._target_ended()), Overloaded)
-
-
-def test_a_reply_carrying_later_plain_steps_commits_each_as_its_own_step():
-    """A plain run's steps sent together (Verified.later_tokens) are taken as the steps they are:
-    every token committed in order, each counted as a plain round of that forward, and the run's
-    remaining replies counted down by all of them."""
-    loop = _loop()
-    loop.replies_due = 5
-    msg = target_pb2.TargetResponse(verified=target_pb2.Verified(
-        verify_id=1, next_token=7, later_tokens=[8, 9], batch_size=3, decode_seconds_per_token=0.05,
-        prefill_seconds=0.2))
-    steps = plain_steps(msg)
-    assert [s.verified.next_token for s in steps] == [7, 8, 9]
-
-    async def take():
-        out = []
-        for step in steps:
-            out += await loop._on_verified(step, [])
-            loop.replies_due -= 1
-        return out
-
-    assert asyncio.run(take()) == [7, 8, 9] and loop.seq == [1, 2, 3, 7, 8, 9] and loop.replies_due == 2
-    assert loop.stats.verifications == 3 and loop.stats.batch_sizes == [3, 3, 3]
-    assert loop.stats.target_prefill_s == pytest.approx(0.2)  # the first step's, once
-    assert plain_steps(target_pb2.TargetResponse(verified=target_pb2.Verified(next_token=7))) == \
-        [target_pb2.TargetResponse(verified=target_pb2.Verified(next_token=7))]
