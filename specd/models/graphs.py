@@ -9,7 +9,10 @@ allocated once and written in place, and a forward's shape is fixed by (B, T, S)
 
 A forward is padded up to the smallest bucket that holds it (padded rows and columns write
 only the pool's trash slot and column, and are masked out), and runs eagerly when none does
-(a long prefill chunk, a batch wider than the largest bucket, a draft tree's custom mask).
+(a prompt longer than the widest prefill bucket, a batch wider than the largest bucket, a draft
+tree's custom mask). A prompt's prefill runs alone (one row) and is wider than any window:
+one-row buckets of 32 to 512 columns hold it, since eagerly its thirty layers are launched one
+kernel at a time, and on a serving GPU every other session waits for it.
 Graphs are captured lazily on a bucket's first use, and `capture` captures a set at start-up
 so that a running server never pays for one. All graphs share one memory pool: they replay one
 at a time, on the pool's compute thread.
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 17)  # a verification window is at most 16 drafts + 1
+PREFILL_WIDTHS = (32, 64, 128, 256, 512)  # one row: a prompt's prefill (or a chunk of it)
 SPAN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -70,6 +74,7 @@ class GraphRunner:
         self.batches = buckets_up_to(BATCH_BUCKETS, min(max_batch or pool.num_slots, pool.num_slots))
         self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
+        self.prefill_widths = tuple(w for w in PREFILL_WIDTHS if self.widths[-1] < w <= pool.max_len)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
@@ -80,8 +85,10 @@ class GraphRunner:
         self.graphs.clear()
 
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
-        """The smallest (B, T, S) holding a forward, or None when none does."""
-        return pick_bucket((self.batches, self.widths, self.spans), (batch, width, span))
+        """The smallest (B, T, S) holding a forward, or None when none does; one row wider than
+        a window takes a prefill width."""
+        widths = self.widths + self.prefill_widths if batch == 1 else self.widths
+        return pick_bucket((self.batches, widths, self.spans), (batch, width, span))
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
         """hidden [B', T', H] of rows (padded; row b's columns first) and the width T'; None when
@@ -116,9 +123,11 @@ class GraphRunner:
 
     def capture(self, keys: Sequence[tuple[int, int, int]] | None = None,
                 progress: Callable[[str], None] | None = None) -> float:
-        """Capture the given buckets (default every batch x width at the shortest span) now;
-        the seconds it took."""
-        keys = list(keys) if keys is not None else [(b, w, self.spans[0]) for b in self.batches for w in self.widths]
+        """Capture the given buckets (default every batch x width at the shortest span, and each
+        prefill width at the shortest span that holds it) now; the seconds it took."""
+        keys = list(keys) if keys is not None else (
+            [(b, w, self.spans[0]) for b in self.batches for w in self.widths]
+            + [self.bucket(1, w, w) for w in self.prefill_widths])
         t0 = time.perf_counter()
         for i, key in enumerate(keys):
             if key not in self.graphs:

@@ -5,12 +5,20 @@ it leaves behind), whatever the batch's padding, and slots must come back at onc
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specd.errors import InvalidRequest, Overloaded
-from specd.models.graphs import BATCH_BUCKETS, buckets_up_to, pick_bucket
+from specd.models.graphs import (
+    BATCH_BUCKETS,
+    PREFILL_WIDTHS,
+    WIDTH_BUCKETS,
+    GraphRunner,
+    buckets_up_to,
+    pick_bucket,
+)
 from specd.models.pool import pooled_extend
 from specd.tree import DraftTree
 from specd.types import SamplingParams, SpecParams
@@ -170,6 +178,30 @@ def test_buckets_take_the_smallest_that_holds_a_forward():
     assert pick_bucket(tables, (12, 17, 256)) == (12, 17, 256)
     assert pick_bucket(tables, (13, 1, 10)) is None  # wider than the largest: run eagerly
     assert pick_bucket(tables, (1, 18, 10)) is None
+
+
+def test_a_prompts_prefill_alone_takes_a_prefill_width_and_a_batch_never_does():
+    runner = SimpleNamespace(batches=(1, 2, 4), widths=WIDTH_BUCKETS, spans=(256, 512, 1024),
+                             prefill_widths=PREFILL_WIDTHS[:4])  # a slot of 256 < 512 columns
+    assert GraphRunner.bucket(runner, 1, 40, 40) == (1, 64, 256)
+    assert GraphRunner.bucket(runner, 1, 200, 300) == (1, 256, 512)
+    assert GraphRunner.bucket(runner, 1, 5, 300) == (1, 6, 512)  # a window keeps its own widths
+    assert GraphRunner.bucket(runner, 2, 40, 40) is None  # several rows: eager, as before
+    assert GraphRunner.bucket(runner, 1, 300, 300) is None  # wider than the widest: eager
+
+
+def test_a_prompt_padded_to_a_prefill_width_prefills_as_unpadded(pooled, lean):
+    """What a prefill bucket does on the CPU: a 40-token prompt in a [1, 64] forward over 256
+    key columns; its hidden states, and the session's next step after it, as without padding."""
+    pool, prompt = pooled.pool, _tokens(40, 7)
+    a, b = pooled.session(), pooled.session()
+    exact = pool.hidden(pool.inputs([a.row(prompt, 1)], 1, 40, 40))
+    padded = pool.hidden(pool.inputs([b.row(prompt, 1)], 1, 64, 256))
+    torch.testing.assert_close(padded[0, :40], exact[0, :40], **TOL)
+    pool.lengths[b.slot] += len(prompt)  # the forward ran outside pool.forward: advance by hand
+    r = lean.session()
+    r.extend(prompt, 1)
+    torch.testing.assert_close(b.extend([9], 1)[0], r.extend([9], 1)[0], **TOL)
 
 
 def test_a_cpu_pool_costs_the_memory_its_sessions_write(lean, tiny_target):
