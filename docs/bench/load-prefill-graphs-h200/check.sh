@@ -1,4 +1,6 @@
 #!/bin/bash
+# Run on the device from the repository root; .gpw/ov-mid held the files of 60ef14a that differ
+# from this tree (specd/models/graphs.py).
 # Check 5: one-row prefill graph buckets (this tree) against the code before them (60ef14a,
 # .gpw/ov-mid), none at 1, 8 and 16 clients, 16 MT-bench prompts, 256 tokens.
 export PYTHONPATH=/tmp/site:$PWD SPECD_CACHE_DIR=/tmp/cache

@@ -1,4 +1,7 @@
 #!/bin/bash
+# Run on the device from the repository root; .gpw/ was the session's ignored device kit: the
+# wheels, the GGUF in two halves, prof.py (beside this file) and ov-NAME/: the files of specd/,
+# services/ and scripts/ at the compared revision that differ from this tree.
 # Check 4: the services at 8, 16 and 32 clients (none, cost-aware), this tree (plain runs chained
 # on the compute thread, later steps sent together) against acb9011 (mid: one-read verdicts) and
 # cde0807 (before both), each overlaid on a copy; py-spy of the target and the coordinator at 8
