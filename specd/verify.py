@@ -43,9 +43,9 @@ def _first_false(ok: torch.Tensor) -> int:
     return int(bad[0, 0]) if bad.numel() else ok.numel()
 
 
-def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor | list[int]) -> Verdict:
+def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
     """target_logits [k+1, V], draft [k] -> accepted count and recovered/bonus token."""
-    return greedy_verdict(argmax_rows(target_logits), draft.tolist() if torch.is_tensor(draft) else draft)
+    return greedy_verdict(argmax_rows(target_logits), draft)
 
 
 def greedy_verdict(best: list[int], draft: list[int]) -> Verdict:

@@ -75,6 +75,7 @@ class GraphRunner:
         self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
         self.prefill_widths = tuple(w for w in PREFILL_WIDTHS if self.widths[-1] < w <= pool.max_len)
+        self.row_widths = self.widths + self.prefill_widths  # what a forward of one row may take
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
@@ -87,7 +88,7 @@ class GraphRunner:
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does; one row wider than
         a window takes a prefill width."""
-        widths = self.widths + self.prefill_widths if batch == 1 else self.widths
+        widths = self.row_widths if batch == 1 else self.widths
         return pick_bucket((self.batches, widths, self.spans), (batch, width, span))
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:

@@ -55,7 +55,7 @@ def _forced_logits(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
     ([2, 2, 2, 2, 2, 6], [2, 2, 2, 2, 2], 5),
 ])
 def test_verify_greedy(argmaxes, draft, num_accepted):
-    verdict = verify_greedy(_forced_logits(argmaxes), torch.tensor(draft, dtype=torch.long))
+    verdict = verify_greedy(_forced_logits(argmaxes), draft)
     assert verdict.num_accepted == num_accepted
     assert verdict.num_strict == num_accepted
     assert verdict.next_token == argmaxes[num_accepted]  # recovered (or bonus) token
@@ -247,7 +247,7 @@ def _relaxed_case(seed: int, k: int = 5):
 def test_relaxed_without_threshold_is_strict_greedy(seed):
     p, q, draft = _relaxed_case(seed)
     got = verify_relaxed(p, q, draft, None, True, None)
-    want = verify_greedy(p.log(), draft)
+    want = verify_greedy(p.log(), draft.tolist())
     assert (got.num_accepted, got.next_token, got.num_strict, got.num_relaxed) == \
         (want.num_accepted, want.next_token, want.num_strict, 0)
     torch.testing.assert_close(torch.tensor(got.js_distances), js_distance(p[:5], q))

@@ -181,8 +181,9 @@ def test_buckets_take_the_smallest_that_holds_a_forward():
 
 
 def test_a_prompts_prefill_alone_takes_a_prefill_width_and_a_batch_never_does():
+    # slots of fewer than 512 positions: the widest prefill bucket is left out
     runner = SimpleNamespace(batches=(1, 2, 4), widths=WIDTH_BUCKETS, spans=(256, 512, 1024),
-                             prefill_widths=PREFILL_WIDTHS[:4])  # slots of fewer than 512 positions
+                             row_widths=WIDTH_BUCKETS + PREFILL_WIDTHS[:4])
     assert GraphRunner.bucket(runner, 1, 40, 40) == (1, 64, 256)
     assert GraphRunner.bucket(runner, 1, 200, 300) == (1, 256, 512)
     assert GraphRunner.bucket(runner, 1, 5, 300) == (1, 6, 512)  # a window keeps its own widths
