@@ -170,8 +170,9 @@ class TargetSettings(ModelSettings):
                                            "not stall other sessions' verifications (0: whole prompts)")
     cuda_graphs: str = Field("auto", pattern="^(auto|on|off|compiled)$",
                              description="capture the pool's forwards in CUDA graphs at start-up (auto: on a "
-                                         "CUDA device with a KV pool; not with tensor_parallel; compiled: "
-                                         "of layers compiled by torch.compile, a longer start-up)")
+                                         "CUDA device with a KV pool, not with tensor_parallel, of layers "
+                                         "compiled by torch.compile, or plain layers where compiling fails; "
+                                         "on: plain layers; compiled: compiled layers or an error)")
     cpu_compile: str = Field("auto", pattern="^(auto|on|off)$",
                              description="compile the pool's forwards ahead of time on the CPU (AOTInductor; "
                                          "auto: a float32 model of 16M+ weights with a KV pool, not with "

@@ -67,18 +67,33 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
         return
     graphs = graphs_allowed and (s.cuda_graphs in ("on", "compiled")
                                  or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
-    if graphs:
-        compiled = "on" if s.cuda_graphs == "compiled" else "off"  # each layer through torch.compile
+    if graphs:  # auto: each layer through torch.compile, as `compiled`, falling back to plain graphs
+        compiled = "on" if s.cuda_graphs in ("auto", "compiled") else "off"
     else:
         compiled = s.cpu_compile if graphs_allowed else "off"
     pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir)
     log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
     if graphs:
-        seconds = pool.runner.capture(progress=log.info)
+        seconds = capture_graphs(pool.runner, fallback=s.cuda_graphs == "auto")
         log.info("CUDA graphs captured in %.1f s", seconds)
     elif pool.runner is not None:
         log.info("target forwards compiled for the CPU: %s", pool.runner.path)
+
+
+def capture_graphs(runner, fallback: bool) -> float:
+    """Capture the runner's graphs at start-up (the seconds it took). fallback: where compiling
+    the layers fails (no Triton or no C compiler on the machine, a torch that cannot compile
+    them), warn and capture plain layers instead of failing to start."""
+    try:
+        return runner.capture(progress=log.info)
+    except Exception as e:  # whatever torch.compile raised: plain graphs still serve
+        if not fallback or runner.pool.compiled_layer is None:
+            raise
+        log.warning("compiling the target's layers failed (%s: %s); plain CUDA graphs instead",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        runner.uncompile()
+        return runner.capture(progress=log.info)
 
 
 async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.Server, int]:

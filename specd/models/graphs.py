@@ -85,6 +85,12 @@ class GraphRunner:
         """Drop the captured graphs (they hold the addresses of weights since replaced)."""
         self.graphs.clear()
 
+    def uncompile(self) -> None:
+        """Capture plain layers from now on (where compiling them failed): drops the compiled
+        layer and every graph captured with it."""
+        self.pool.compiled_layer = None
+        self.graphs.clear()
+
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does; one row wider than
         a window takes a prefill width."""
