@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from services.common.grpc_errors import ErrorInterceptor, Observe
 from services.common.security import GrpcSecurity
+from specd.errors import SpecdError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ CHANNEL_OPTIONS = [
 SPREAD = ("grpc.lb_policy_name", "round_robin")
 # Clients reconnect, and so resolve the name again, at least this often: a replica added later
 # gets calls within minutes. Calls in flight finish on the old connection (no grace limit).
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_connection_age_ms", 300_000)]
+# A port another process holds is an error, not a port shared with it: with gRPC's default
+# (SO_REUSEPORT) a second service started on a taken port came up too, and the kernel split the
+# connections (and so the sessions) between the two.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_connection_age_ms", 300_000), ("grpc.so_reuseport", 0)]
 
 
 def make_server(service_names: list[str], observe: Observe | None = None,
@@ -78,7 +82,10 @@ async def start_server(service_name: str, add_servicer, servicer, host: str, por
     security.check_listen(host)
     server, health_servicer = make_server([service_name], observe, security, reflection)
     add_servicer(servicer, server)
-    bound = security.add_port(server, f"{host}:{port}")
+    try:
+        bound = security.add_port(server, f"{host}:{port}")
+    except RuntimeError as e:  # grpc's "Failed to bind to address"
+        raise SpecdError(f"{service_name}: cannot listen on {host}:{port} (in use by another process?)") from e
     await server.start()
     _HEALTH[server] = health_servicer
     await mark_serving(health_servicer, [service_name], serving)

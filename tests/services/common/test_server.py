@@ -1,16 +1,19 @@
-"""services.common.server's connection ageing: a server closes each connection after
-SERVER_OPTIONS' max age (so that clients of a dns: name resolve it again), yet a stream in flight
-goes on past it (a long generation is not cut), and the next call on the same channel gets through
-on a new connection."""
+"""services.common.server: a server closes each connection after SERVER_OPTIONS' max age (so
+that clients of a dns: name resolve it again), yet a stream in flight goes on past it (a long
+generation is not cut), and the next call on the same channel gets through on a new connection;
+a second service on a port the first holds fails to start, naming it, instead of sharing it."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services.common.server as server_module
-from services.common.server import channel, make_server
+from services.common.server import channel, make_server, start_server
+from specd.errors import SpecdError
 
 AGE_S = 0.3
 
@@ -68,3 +71,20 @@ def test_without_an_age_the_connection_stays(monkeypatch):
     got, reply, states = _run(None, monkeypatch)
     assert got == [b"first", b"after"] and reply == b"ok"
     assert states == [grpc.ChannelConnectivity.READY]
+
+
+def test_a_service_on_a_port_another_holds_fails_to_start_and_the_first_serves_on():
+    async def main():
+        first, port = await start_server("t.T", lambda servicer, server: None, None, "127.0.0.1", 0)
+        try:
+            with pytest.raises(SpecdError, match=f"t.U: cannot listen on 127.0.0.1:{port}"):
+                await start_server("t.U", lambda servicer, server: None, None, "127.0.0.1", port)
+            async with channel(f"127.0.0.1:{port}") as ch:  # every connection still reaches the first
+                for _ in range(4):
+                    reply = await health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="t.T"), timeout=5)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await first.stop(0)
+
+    asyncio.run(main())
