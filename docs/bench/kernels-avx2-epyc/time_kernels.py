@@ -1,8 +1,8 @@
 """One target forward of 1, 2 and 9 new tokens after a 64-token context, per linear-kernel choice
 (best of 5), on the embedded model in float32, eager: what docs/engine.md's "The few-row product"
 cites for an AVX2-only CPU. out-16-lanes.txt: the few-row product with 16-float vectors (before
-2026-11-27); out.txt: with 8, as it is now built there. Run from the repository root:
-python docs/bench/kernels-avx2-epyc/time_kernels.py"""
+2026-11-27); out.txt: with 8; out-after-blocking.txt: with 8 and 3 input rows per block, as it is
+now built there. Run from the repository root: python docs/bench/kernels-avx2-epyc/time_kernels.py"""
 import time
 
 from specd.models.loading import load_model
