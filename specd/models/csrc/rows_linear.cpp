@@ -53,7 +53,7 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
 // Rows of x a block of kOuts weight rows multiplies at a time: their kOuts partial sums each,
 // the weight vectors and one input vector fit the registers (32 with AVX-512, 16 with AVX2).
 // With 4 on an AVX2-only CPU the compiler re-read the input from memory in every multiply-add,
-// and 9 rows cost 1.6x one (docs/engine.md, "The few-row product").
+// and a window's products cost far more than a step's (docs/engine.md, "The few-row product").
 #if defined(__AVX512F__)
 constexpr int kRows = 4;
 #else
