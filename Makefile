@@ -43,11 +43,8 @@ up: install
 protos: install
 	$(BIN)/python -m services.protogen
 
-# Two workers (pytest-xdist), each test file on one of them (a file's fixtures start once); then
-# the tests that measure the machine's other work, alone.
 test: install system-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 -m "not alone"
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 # Unit tests only: tiny models, no real model, no other program started, no statistical tests;
 # two workers (pytest-xdist).
