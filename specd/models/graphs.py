@@ -89,7 +89,7 @@ class GraphRunner:
         """Capture plain layers from now on (where compiling them failed): drops the compiled
         layer and every graph captured with it."""
         self.pool.compiled_layer = None
-        self.graphs.clear()
+        self.invalidate()
 
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does; one row wider than
