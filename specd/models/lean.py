@@ -138,17 +138,18 @@ def supports(model: torch.nn.Module) -> bool:
 
 def _fused(layers: list[torch.nn.Linear]):
     """One product whose output is the given linears' outputs side by side. With the few-row
-    product (RowsLinear) each linear's own weight is read, as when the forward is traced for
-    compilation (specd.models.aot), and where single rows run unpacked (PackedLinear._gemv).
+    product (RowsLinear) each linear's own weight is read, all of them in one pass of the
+    operator (rows.linear_cat), as when the forward is traced for compilation
+    (specd.models.aot); where single rows run unpacked (PackedLinear._gemv), torch's products.
     With oneDNN kernels only the packed copy is kept (the lean forward runs in inference mode
     only)."""
     parts = [m.weight.detach() for m in layers]
     few_rows = isinstance(layers[0], RowsLinear)
 
     def separate(x: torch.Tensor) -> torch.Tensor:
-        few = (few_rows or torch.compiler.is_compiling()) and not torch.is_grad_enabled()
-        product = rows.linear if few else F.linear
-        return torch.cat([product(x, w) for w in parts], dim=-1)
+        if (few_rows or torch.compiler.is_compiling()) and not torch.is_grad_enabled():
+            return rows.linear_cat(x, parts)
+        return torch.cat([F.linear(x, w) for w in parts], dim=-1)
     if few_rows:  # no concatenated copy to keep
         separate.weight = None
         return separate

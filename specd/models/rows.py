@@ -103,6 +103,7 @@ def load(cache_dir: Path | None = None) -> str | None:
                     tmp.replace(path)
             torch.ops.load_library(str(path))
             torch.library.register_fake("specd::rows_linear")(_shape)
+            torch.library.register_fake("specd::rows_linear_cat")(_cat_shape)
         except Exception as e:  # noqa: BLE001 (a compiler or loader failure: torch's product still works)
             reason = f"{type(e).__name__}: {e}"
     _state["reason"] = reason or ""
@@ -133,9 +134,27 @@ def _shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _cat_shape(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (loaded() and x.dtype == weight.dtype == torch.float32
+            and x.device.type == weight.device.type == "cpu")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T: the few-row operator where it is loaded and fits (float32 on the CPU), else
     torch's product."""
-    if loaded() and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu":
+    if _fits(x, weight):
         return torch.ops.specd.rows_linear(x, weight)
     return F.linear(x, weight)
+
+
+def linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat([x @ w.T for w in weights], -1), equal to it bit for bit, in one pass of the
+    few-row operator where it is loaded and fits (q/k/v or gate/up: one parallel region, no
+    concatenation), else torch's products concatenated."""
+    if all(_fits(x, w) for w in weights):
+        return torch.ops.specd.rows_linear_cat(x, weights)
+    return torch.cat([F.linear(x, w) for w in weights], dim=-1)

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
@@ -98,32 +99,61 @@ void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int
 constexpr int64_t kMaxRows = 48;  // beyond this many rows the tiled product is as fast (measured)
 constexpr int kOuts = 4;  // weight rows a block reads together (measured best of 4 and 8)
 
-at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "rows_linear: float32 only");
-  TORCH_CHECK(w_in.dim() == 2 && x_in.size(-1) == w_in.size(1), "rows_linear: shapes do not match");
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
-  if (M > kMaxRows) return at::matmul(x, w.t());  // a large batch: a tiled product does better
+// x against each weight in turn, their outputs side by side in one tensor [..., sum of N]: one
+// parallel pass over every block of every weight (q/k/v, or gate/up). Each output is computed
+// exactly as rows_linear computes it, so the result equals the concatenated separate products.
+at::Tensor rows_linear_cat(const at::Tensor& x_in, at::TensorList ws_in) {
+  TORCH_CHECK(!ws_in.empty(), "rows_linear: no weight");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "rows_linear: float32 only");
+  std::vector<at::Tensor> ws;
+  ws.reserve(ws_in.size());
+  int64_t N = 0;
+  for (const at::Tensor& w : ws_in) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat, "rows_linear: float32 only");
+    TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1), "rows_linear: shapes do not match");
+    ws.push_back(w.contiguous());
+    N += w.size(0);
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  if (M > kMaxRows) {  // a large batch: a tiled product does better
+    std::vector<at::Tensor> outs;
+    for (const at::Tensor& w : ws) outs.push_back(at::matmul(x, w.t()));
+    return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   const float* xp = x.const_data_ptr<float>();
-  const float* wp = w.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const int64_t blocks = (N + kOuts - 1) / kOuts;
+  struct Part { const float* w; int64_t n, col, first; };  // weight, its rows, its first output, block
+  std::vector<Part> parts;
+  int64_t blocks = 0, col = 0;
+  for (const at::Tensor& w : ws) {
+    parts.push_back({w.const_data_ptr<float>(), w.size(0), col, blocks});
+    blocks += (w.size(0) + kOuts - 1) / kOuts;
+    col += w.size(0);
+  }
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    size_t p = 0;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kOuts;
-      const int64_t outs = std::min<int64_t>(kOuts, N - n);
+      while (p + 1 < parts.size() && parts[p + 1].first <= b) ++p;
+      const Part& part = parts[p];
+      const int64_t n = (b - part.first) * kOuts;
+      const int64_t outs = std::min<int64_t>(kOuts, part.n - n);
+      const float* wp = part.w + n * K;
+      float* out = yp + part.col + n;
       if (outs == kOuts) {
-        outputs<kOuts>(xp, M, wp + n * K, K, yp + n, N);
+        outputs<kOuts>(xp, M, wp, K, out, N);
       } else {
-        for (int64_t j = 0; j < outs; ++j) outputs<1>(xp, M, wp + (n + j) * K, K, yp + n + j, N);
+        for (int64_t j = 0; j < outs; ++j) outputs<1>(xp, M, wp + j * K, K, out + j, N);
       }
     }
   });
   return y;
 }
+
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w) { return rows_linear_cat(x, {w}); }
 
 int64_t rows_lanes() { return kLanes; }
 
@@ -131,9 +161,11 @@ int64_t rows_lanes() { return kLanes; }
 
 TORCH_LIBRARY(specd, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("rows_linear_cat(Tensor x, Tensor[] weights) -> Tensor");
   m.def("rows_lanes() -> int", &rows_lanes);  // the floats of one vector, as built here
 }
 
 TORCH_LIBRARY_IMPL(specd, CPU, m) {
   m.impl("rows_linear", &rows_linear);
+  m.impl("rows_linear_cat", &rows_linear_cat);
 }

@@ -73,3 +73,19 @@ def test_its_vectors_are_as_wide_as_the_machines_registers(product):
         assert torch.ops.specd.rows_lanes() == 8
     else:
         pytest.skip("no AVX: the vector width is not checked on this CPU")
+
+
+def test_several_weights_in_one_pass_equal_their_products_side_by_side(product):
+    """q/k/v (or gate/up) in one call: bit for bit the separate products concatenated, for every
+    row count, with weights whose rows end in a partial block of four."""
+    gen = torch.Generator().manual_seed(7)
+    ws = [torch.randn(n, 70, generator=gen) for n in (13, 8, 3, 21)]
+    for m in ROW_COUNTS:
+        x = torch.randn(2, m, 70, generator=gen)
+        out = torch.ops.specd.rows_linear_cat(x, ws)
+        assert torch.equal(out, torch.cat([product(x, w) for w in ws], dim=-1)), m
+    assert torch.equal(rows.linear_cat(x, ws), out)
+    with rows.disabled():
+        torch.testing.assert_close(rows.linear_cat(x, ws), out, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.specd.rows_linear_cat(x, [ws[0], torch.randn(4, 69)])
