@@ -9,6 +9,7 @@ other exception -> INTERNAL (logged with its traceback).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import time
@@ -135,6 +136,13 @@ def _unary(behavior, method: str, observe: Observe):
 
 
 def _streaming(behavior, method: str, observe: Observe):
+    if inspect.iscoroutinefunction(behavior):  # writes its responses itself (context.write), as Health.Watch
+        async def writer(request, context: grpc.aio.ServicerContext) -> None:
+            async with _Outcome(method, observe, context):
+                await behavior(request, context)
+
+        return writer
+
     async def wrapper(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         responses = behavior(request, context)
         try:

@@ -1,19 +1,22 @@
 """services.common.server: a server closes each connection after SERVER_OPTIONS' max age (so
 that clients of a dns: name resolve it again), yet a stream in flight goes on past it (a long
 generation is not cut), and the next call on the same channel gets through on a new connection;
-a second service on a port the first holds fails to start, naming it, instead of sharing it."""
+a second service on a port the first holds fails to start, naming it, instead of sharing it;
+health's Watch streams (a handler that writes its own responses) through the error interceptor,
+and a failing one of that kind ends in its error's status."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services.common.server as server_module
-from services.common.server import channel, make_server, start_server
-from specd.errors import SpecdError
+from services.common.server import channel, make_server, set_serving, start_server
+from specd.errors import InvalidRequest, SpecdError
 
 AGE_S = 0.3
 
@@ -88,3 +91,56 @@ def test_a_service_on_a_port_another_holds_fails_to_start_and_the_first_serves_o
             await first.stop(0)
 
     asyncio.run(main())
+
+
+def test_health_watch_streams_each_change_and_the_call_is_observed():
+    """Health.Watch writes its responses with context.write: it failed on every specd server
+    ("'coroutine' object is not an async iterator") until the interceptor took that kind."""
+    seen = []
+
+    async def main():
+        server, port = await start_server("t.T", lambda servicer, server: None, None, "127.0.0.1", 0,
+                                          observe=lambda method, code, s: seen.append((method, code)))
+        try:
+            async with channel(f"127.0.0.1:{port}") as ch:
+                call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="t.T"), timeout=10)
+                first = await call.read()
+                await set_serving(server, ["t.T"], False)
+                second = await call.read()
+                call.cancel()
+            return first.status, second.status
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(main()) == (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for _ in range(50):  # the server sees the cancellation a moment after the client
+        if seen:
+            break
+        time.sleep(0.05)
+    assert seen == [("/grpc.health.v1.Health/Watch", "CANCELLED")]
+
+
+def test_a_writing_stream_that_fails_ends_in_its_errors_status():
+    async def writes_then_fails(request, context):
+        await context.write(b"one")
+        raise InvalidRequest("max_tokens", "must be positive")
+
+    async def main():
+        server, _ = make_server([])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "Write": grpc.unary_stream_rpc_method_handler(writes_then_fails)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_stream("/t.T/Write")(b"", timeout=10)
+                got = [await call.read()]
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+            return got, e.value
+        finally:
+            await server.stop(0)
+
+    got, error = asyncio.run(main())
+    assert got == [b"one"]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.details()
