@@ -77,10 +77,10 @@ class _Step(torch.nn.Module):
         super().__init__()
         self.pool = pool
 
-    def forward(self, ids, write, rope, qpos, slots, span_like, real, kv):
+    def forward(self, ids, write, rope, qpos, slots, span_like, real, kv, tables):
         layers = len(kv) // 2
         x = StepInputs(ids, write, rope, slots, qpos, span_like.shape[0], packed=real)
-        return self.pool.hidden(x, kv[:layers], kv[layers:])
+        return self.pool.hidden(x, kv[:layers], kv[layers:], tables)
 
 
 def _source_hash() -> str:
@@ -97,7 +97,6 @@ def _known_tensors(pool: KVPool) -> dict[str, torch.Tensor]:
     """Every tensor the pool's forward may read as a constant, by a name stable across processes."""
     known = {f"model.{n}": t for n, t in pool.lean.model.named_parameters()}
     known.update({f"model.{n}": t for n, t in pool.lean.model.named_buffers()})
-    known.update({"pool.cos": pool.cos, "pool.sin": pool.sin, "pool.sin_signed": pool.sin_signed})
     return known
 
 
@@ -113,6 +112,7 @@ class AotRunner:
         assert pool.device.type == "cpu" and not pool.fused, "ahead-of-time forwards are for the CPU pool"
         self.pool = pool
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
+        self.tables = (pool.cos, pool.sin)  # rotary cos and sin for every column: as long as the pool's slots
         self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
         self.key_read_limit = KEY_READ_SHARE * sum(t.numel() * t.element_size() for t in pool.lean.model.parameters())
@@ -143,7 +143,8 @@ class AotRunner:
     def _args(self, x: StepInputs) -> tuple:
         """The library's inputs for a forward (_Step.forward's order)."""
         real = torch.arange(x.input_ids.numel()) if x.packed is None else x.packed
-        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], real, self.kv)
+        return (x.input_ids, x.write_pos, x.rope_pos, x.query_pos, x.slots, self._spans[:x.span], real, self.kv,
+                self.tables)
 
     def _load_or_compile(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +177,11 @@ class AotRunner:
             Dim("span", min=1, max=MAX_POOL_DIM)
         real = Dim("real", min=1, max=MAX_POOL_DIM)
         rows = {0: batch, 1: width}
-        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv))
+        # The rotary tables are inputs with a symbolic length: as constants their length, the pool's
+        # max_len, was compiled in, and a pool with longer slots that loaded the library aborted
+        # on its first position past it (an index check in the compiled loops).
+        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv),
+                  ({0: columns}, {0: columns}))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Step(p), self._args(self._example()), dynamic_shapes=shapes)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest, Overloaded
+from specd.models import rows as few_rows
 from specd.models.lean import LeanLlama
 
 # Windows up to this many query rows attend through batched matrix products rather than a fused
@@ -384,11 +385,13 @@ class KVPool:
                       rows[g[0]].slot if len(g) == 1 else None) for g in groups)
 
     def hidden(self, x: StepInputs, ks: Sequence[torch.Tensor] | None = None,
-               vs: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+               vs: Sequence[torch.Tensor] | None = None,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
         shape is fixed by x, and nothing here reads a tensor back to the host (capturable).
-        ks, vs: each layer's keys and values (default the pool's own; a compiled forward takes
-        them as inputs, specd.models.aot).
+        ks, vs: each layer's keys and values, tables: the rotary cos and sin tables (default the
+        pool's own; a compiled forward takes them as inputs, specd.models.aot, so that their
+        lengths, the pool's, are not constants of its library).
 
         Rows of unequal length (x.packed) run packed: the projections and the MLP, nearly all of
         a step's arithmetic, see only the real tokens, one after another; only the attention
@@ -410,8 +413,13 @@ class KVPool:
         # One query sees every key up to itself: no mask (a traced forward takes any shape: masked).
         if mask is None and (torch.compiler.is_compiling() or (batch, width) != (1, 1)):
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
-        cos, sin = self.cos[x.rope_pos][:, None], self.sin[x.rope_pos][:, None]  # [B, 1, T, D]
+        cos_table, sin_table = (self.cos, self.sin) if tables is None else tables
+        cos, sin = cos_table[x.rope_pos][:, None], sin_table[x.rope_pos][:, None]  # [B, 1, T, D]
         rows = x.slots[:, None]
+        # A compiled forward attends with the few-row operator, which reads the pool in place; the
+        # eager one keeps SDPA (a run of slots is a view there, and its logits stay transformers').
+        compiled_attention = (torch.compiler.is_compiling() and x.tree_mask is None
+                              and few_rows.attends(self.dtype, self.device))
         h = lean.embed(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
             a = lean._rms(norm_in, h)
@@ -440,6 +448,8 @@ class KVPool:
                         q.index_select(0, members), keys, values,
                         attn_mask=mask.index_select(0, members)[..., :group_span], scale=lean.scaling,
                         enable_gqa=lean.groups > 1)
+            elif compiled_attention:  # each row's keys read in place, each query's only up to its position
+                out = few_rows.attention(q, pool_k, pool_v, x.slots, x.query_pos, lean.scaling)
             else:
                 if x.slot_run is not None:
                     run = slice(x.slot_run, x.slot_run + batch)

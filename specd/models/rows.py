@@ -12,6 +12,10 @@ Each output is one vector of partial sums over the input in the same order, redu
 tree, whatever the number of rows: a row's result does not depend on which rows came with it,
 so a verification window's products equal the decoding steps' bit for bit.
 
+The same library holds the compiled forward's attention (`attention`): each query over its own
+row's keys in the KV pool, read where they lie and only up to the query's position, where SDPA
+needs them gathered into a copy first; each query alone, so it too is the same whatever the batch.
+
 The operator is compiled with the machine's C++ compiler (`-O3 -march=native`; vectors of 16
 floats where the CPU has AVX-512, else 8) the first time it is needed and kept under
 `<cache dir>/ops/`, keyed by its source, flags, torch's version and the CPU. The compiled
@@ -104,6 +108,7 @@ def load(cache_dir: Path | None = None) -> str | None:
             torch.ops.load_library(str(path))
             torch.library.register_fake("specd::rows_linear")(_shape)
             torch.library.register_fake("specd::rows_linear_cat")(_cat_shape)
+            torch.library.register_fake("specd::rows_attention")(_attention_shape)
         except Exception as e:  # noqa: BLE001 (a compiler or loader failure: torch's product still works)
             reason = f"{type(e).__name__}: {e}"
     _state["reason"] = reason or ""
@@ -138,6 +143,10 @@ def _cat_shape(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
+def _attention_shape(q, k, v, slots, qpos, scale) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (loaded() and x.dtype == weight.dtype == torch.float32
             and x.device.type == weight.device.type == "cpu")
@@ -158,3 +167,17 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     if all(_fits(x, w) for w in weights):
         return torch.ops.specd.rows_linear_cat(x, weights)
     return torch.cat([F.linear(x, w) for w in weights], dim=-1)
+
+
+def attends(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `attention` runs for a pool of this dtype and device: float32 on the CPU, the
+    operator loaded."""
+    return loaded() and dtype == torch.float32 and device.type == "cpu"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, query_pos: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal attention of queries q [B, H, T, D] over a KV pool's keys and values k, v [slots, KV
+    heads, columns, D], row b reading slot slots[b] in place, query (b, t) the keys 0..query_pos[b, t]
+    (KVPool.hidden's rule), where `attends`."""
+    return torch.ops.specd.rows_attention(q, k, v, slots, query_pos, scale)

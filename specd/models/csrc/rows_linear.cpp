@@ -1,9 +1,12 @@
-// y = x W^T for a few rows of x (a decoding step or a verification window) on the CPU, float32.
-// Why, and how it is built and loaded: specd/models/rows.py.
+// y = x W^T for a few rows of x (a decoding step or a verification window) on the CPU, float32,
+// and those rows' attention over the KV pool. Why, and how it is built and loaded:
+// specd/models/rows.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -49,6 +52,35 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
     for (int i = 0; i < n; ++i) a[i] += a[i + n];
   }
   return a[0];
+}
+
+// exp of every lane (Cephes' single-precision method: 2^n times a polynomial of the remainder,
+// within about 2 float ulps), lane by lane the same operations, so a score's exp does not depend
+// on the lanes beside it. For x <= 0 (softmax scores less their maximum).
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vec exp_lanes(vec x) {
+  x = x < -87.0f ? vec{} - 87.0f : x;
+  vec fx = x * 1.44269504088896341f + 0.5f;
+  ivec n = __builtin_convertvector(fx, ivec);  // truncated; then floor
+  vec whole = __builtin_convertvector(n, vec);
+  const ivec below = whole > fx;
+  n += below;  // a true comparison is -1
+  whole = __builtin_convertvector(n, vec);
+  x = x - whole * 0.693359375f;
+  x = x - whole * -2.12194440e-4f;
+  const vec z = x * x;
+  vec y = vec{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const ivec bits = (n + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
 }
 
 // Rows of x a block of kOuts weight rows multiplies at a time: their kOuts partial sums each,
@@ -155,6 +187,111 @@ at::Tensor rows_linear_cat(const at::Tensor& x_in, at::TensorList ws_in) {
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w) { return rows_linear_cat(x, {w}); }
 
+// Attention of a few query rows over the KV pool, reading each row's keys and values where they
+// lie (no gathered copy) and only the keys each query sees: out[b, h, t] = softmax(scale *
+// q[b, h, t] . K[slot b, h / groups, 0..qpos[b, t]]) . V[same]. Every query is computed alone,
+// in the same order whatever the batch, so a window's rows equal the decoding steps' bit for bit.
+// q [B, H, T, D]; k, v [slots, KV heads, columns, D] (the pool); slots [B]; qpos [B, T].
+at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& slots_in, const at::Tensor& qpos_in, double scale) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "rows_attention: float32 only");
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(),
+              "rows_attention: q [B, H, T, D], k and v [slots, heads, columns, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.size(3) == q_in.size(3) && q_in.size(1) % k.size(1) == 0,
+              "rows_attention: shapes do not match");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), qpos = qpos_in.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  TORCH_CHECK(slots.numel() == B && qpos.numel() == B * T, "rows_attention: slots [B] and qpos [B, T]");
+  const int64_t groups = H / k.size(1), columns = k.size(2);
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const int64_t* pp = qpos.const_data_ptr<int64_t>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t body = D - D % kLanes, chunks = body / kLanes;
+  const float fscale = static_cast<float>(scale);
+  // An item: one row's KV head and up to kBlock of its positions, all the query heads that share
+  // that KV head: each key and value read once for all of them.
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (T + kBlock - 1) / kBlock, kv_heads = k.size(1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, groups * kBlock * columns * D));
+  at::parallel_for(0, B * kv_heads * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, totals;
+    std::vector<int64_t> seen, index;
+    std::vector<vec> acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (kv_heads * blocks), kvh = (item / blocks) % kv_heads, t0 = (item % blocks) * kBlock;
+      const int64_t t1 = std::min(T, t0 + kBlock);
+      seen.clear();
+      index.clear();
+      int64_t most = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t t = t0; t < t1; ++t) {
+          index.push_back((b * H + kvh * groups + g) * T + t);  // the query's row in q and out
+          seen.push_back(std::min<int64_t>(pp[b * T + t], columns - 1) + 1);  // it sees keys 0..qpos
+          most = std::max(most, seen.back());
+        }
+      }
+      const int64_t nq = static_cast<int64_t>(index.size());
+      const float* keys = kp + sp[b] * k.stride(0) + kvh * k.stride(1);
+      const float* values = vp + sp[b] * v.stride(0) + kvh * v.stride(1);
+      const int64_t stride = (most + kLanes - 1) / kLanes * kLanes;  // whole vectors per query
+      scores.assign(nq * stride, 0.f);
+      for (int64_t s = 0; s < most; ++s) {
+        const float* key = keys + s * k.stride(2);
+        for (int64_t j = 0; j < nq; ++j) {
+          if (s >= seen[j]) continue;
+          const float* qv = qp + index[j] * D;
+          vec sum = {};
+          for (int64_t d = 0; d < body; d += kLanes) sum = madd(load(qv + d), load(key + d), sum);
+          float dot = reduce(sum);
+          for (int64_t d = body; d < D; ++d) dot += qv[d] * key[d];
+          scores[j * stride + s] = dot * fscale;
+        }
+      }
+      totals.assign(nq, 0.f);
+      for (int64_t j = 0; j < nq; ++j) {
+        float* row = scores.data() + j * stride;
+        float top = -INFINITY;
+        for (int64_t s = 0; s < seen[j]; ++s) top = std::max(top, row[s]);
+        for (int64_t s = 0; s < seen[j]; s += kLanes) {  // lanes past the query's keys are never read
+          const vec e = exp_lanes(load(row + s) - top);
+          std::memcpy(row + s, &e, sizeof(e));
+        }
+        for (int64_t s = 0; s < seen[j]; ++s) totals[j] += row[s];
+        float* o = op + index[j] * D;
+        for (int64_t d = body; d < D; ++d) o[d] = 0.f;
+      }
+      acc.assign(nq * chunks, vec{});
+      for (int64_t s = 0; s < most; ++s) {
+        const float* value = values + s * v.stride(2);
+        for (int64_t j = 0; j < nq; ++j) {
+          if (s >= seen[j]) continue;
+          const float w = scores[j * stride + s];
+          const vec wv = vec{} + w;
+          for (int64_t c = 0; c < chunks; ++c) acc[j * chunks + c] = madd(wv, load(value + c * kLanes), acc[j * chunks + c]);
+          float* o = op + index[j] * D;
+          for (int64_t d = body; d < D; ++d) o[d] += w * value[d];
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* o = op + index[j] * D;
+        const float inv = 1.f / totals[j];
+        for (int64_t c = 0; c < chunks; ++c) {
+          const vec r = acc[j * chunks + c] * inv;
+          std::memcpy(o + c * kLanes, &r, sizeof(r));
+        }
+        for (int64_t d = body; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
 int64_t rows_lanes() { return kLanes; }
 
 }  // namespace
@@ -162,10 +299,12 @@ int64_t rows_lanes() { return kLanes; }
 TORCH_LIBRARY(specd, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("rows_linear_cat(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor qpos, float scale) -> Tensor");
   m.def("rows_lanes() -> int", &rows_lanes);  // the floats of one vector, as built here
 }
 
 TORCH_LIBRARY_IMPL(specd, CPU, m) {
   m.impl("rows_linear", &rows_linear);
   m.impl("rows_linear_cat", &rows_linear_cat);
+  m.impl("rows_attention", &rows_attention);
 }

@@ -180,6 +180,25 @@ def test_the_library_is_compiled_once_then_loaded(tiny_target, aot_cache, compil
     assert again.pool.runner.path == compiled.pool.runner.path
 
 
+def test_a_pool_with_longer_slots_runs_the_same_library_past_the_first_pools_length(tiny_target, aot_cache,
+                                                                                     compiled):
+    """The library was compiled for 256-position slots; a 600-position pool loads it and decodes
+    at positions 300 and beyond. Its rotary tables were constants of the library, their length
+    compiled in: the first position past it aborted the process."""
+    longer = replace(tiny_target, forward="lean")
+    longer.use_pool(2, 600, compiled="on", cache_dir=aot_cache)
+    runner = longer.pool.runner
+    assert runner.path == compiled.pool.runner.path
+    runner.key_read_limit = float("inf")  # compiled however many keys it reads (the tiny model's limit is low)
+    a, b = longer.session(), replace(tiny_target, forward="lean").session()
+    prompt = _tokens(300, 11)
+    torch.testing.assert_close(a.extend(prompt, 1)[0], b.extend(prompt, 1)[0], **TOL)
+    before = runner.runs
+    for ids in ([5], [6, 7, 8], [9]):
+        torch.testing.assert_close(a.extend(ids, len(ids))[0], b.extend(ids, len(ids))[0], **TOL)
+    assert runner.runs == before + 3
+
+
 def test_cpu_compile_is_refused_where_it_cannot_run(tiny_target):
     model = replace(tiny_target, forward="lean")
     with pytest.raises(InvalidRequest, match="cpu_compile"):
@@ -193,16 +212,16 @@ def test_rows_are_the_pool_rows_a_library_takes(compiled):
     assert hidden.shape[:2] == (1, 2) and width == 2
 
 
-def _calls_rows_product(path) -> bool:
+def _calls_rows_product(path, op: bytes = b"specd::rows_linear") -> bool:
     with zipfile.ZipFile(path) as package:
-        return any(b"specd::rows_linear" in package.read(name) for name in package.namelist()
-                   if name.endswith((".cpp", ".json")))
+        return any(op in package.read(name) for name in package.namelist() if name.endswith((".cpp", ".json")))
 
 
 def test_the_library_calls_the_few_row_product_where_it_builds(tiny_target, aot_cache, compiled):
     if not rows.loaded():
         pytest.skip(f"the few-row product cannot be built here: {rows.load(aot_cache)}")
     assert _calls_rows_product(compiled.pool.runner.path)
+    assert _calls_rows_product(compiled.pool.runner.path, b"specd::rows_attention")  # the pool read in place
     # The same weights as tiny_target, built as PLAIN_LIBRARY builds them: a library's key holds
     # the model's config, which the session's tiny_target may have had written into by then
     # (save_pretrained sets its dtype and architectures).
@@ -211,6 +230,7 @@ def test_the_library_calls_the_few_row_product_where_it_builds(tiny_target, aot_
         plain.use_pool(2, 128, compiled="on", cache_dir=aot_cache)
     assert plain.pool.runner.path != compiled.pool.runner.path
     assert not _calls_rows_product(plain.pool.runner.path)
+    assert not _calls_rows_product(plain.pool.runner.path, b"specd::rows_attention")
     a, b = compiled.session(), plain.session()
     ids = _tokens(12, 5)
     torch.testing.assert_close(a.extend(ids, 4)[0], b.extend(ids, 4)[0], **TOL)

@@ -89,3 +89,30 @@ def test_several_weights_in_one_pass_equal_their_products_side_by_side(product):
         torch.testing.assert_close(rows.linear_cat(x, ws), out, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.specd.rows_linear_cat(x, [ws[0], torch.randn(4, 69)])
+
+
+@pytest.mark.parametrize("dim", [64, 70])
+def test_pool_attention_equals_sdpa_over_the_gathered_keys_and_a_row_is_its_own(product, dim):
+    """rows_attention reads each row's slot of the pool in place, each query the keys up to its
+    position: SDPA's result over the gathered keys within float32 rounding, padded queries (position
+    0) included, and a query's result the same bits alone or in any batch."""
+    gen = torch.Generator().manual_seed(dim)
+    slots, kv_heads, groups, columns, width = 5, 3, 3, 40, 6
+    k, v = torch.randn(slots, kv_heads, columns, dim, generator=gen), torch.randn(slots, kv_heads, columns, dim, generator=gen)
+    q = torch.randn(3, kv_heads * groups, width, dim, generator=gen)
+    rows_slots = torch.tensor([4, 1, 2])
+    qpos = torch.tensor([[20, 21, 22, 23, 24, 25], [5, 6, 7, 8, 0, 0], [39, 0, 0, 0, 0, 0]])  # padded queries: 0
+    out = torch.ops.specd.rows_attention(q, k, v, rows_slots, qpos, 0.125)
+    mask = (torch.arange(columns) <= qpos[:, :, None])[:, None]
+    expected = F.scaled_dot_product_attention(q, k.index_select(0, rows_slots), v.index_select(0, rows_slots),
+                                              attn_mask=mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for b, t in ((1, 1), (0, 5), (2, 0)):  # a query alone: its bits in any batch and block of positions
+        alone = torch.ops.specd.rows_attention(q[b:b + 1, :, t:t + 1], k, v, rows_slots[b:b + 1],
+                                               qpos[b:b + 1, t:t + 1], 0.125)
+        assert torch.equal(alone, out[b:b + 1, :, t:t + 1]), (b, t)
+    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # as a forward's rotated queries come
+    assert torch.equal(rows.attention(strided_q, k, v, rows_slots, qpos, 0.125), out)
+    assert rows.attends(torch.float32, torch.device("cpu")) and not rows.attends(torch.float64, torch.device("cpu"))
+    with rows.disabled():
+        assert not rows.attends(torch.float32, torch.device("cpu"))
