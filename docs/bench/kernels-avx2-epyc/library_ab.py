@@ -3,11 +3,12 @@ code's and an earlier one taken from the cache by its key. One session after a C
 context (decode steps, windows of 4 and 9 tokens), and 8 sessions' decode steps after contexts
 of CONTEXT/4 and CONTEXT tokens (4 each); 40 repeats, ms. Run from the repository root:
 
-    python docs/bench/kernels-avx2-epyc/library_ab.py OLD_KEY [CONTEXT]
+    python docs/bench/kernels-avx2-epyc/library_ab.py OLD_KEY [CONTEXT] [--tables]
 
 out-cat-step.txt: q/k/v in one pass of the few-row product (OLD_KEY 602faef56a5af94eb560, the
 commit before it; printed by this script's first version, which ran the single session only).
-out-attention.txt: the attention reading the pool in place (OLD_KEY 5d400ce376085ee56b42).
+out-attention.txt: the attention reading the pool in place (OLD_KEY 5d400ce376085ee56b42, before
+the rotary tables became the library's inputs).
 Both on the 2-core AMD EPYC, 2026-11-27."""
 import statistics
 import sys
@@ -23,17 +24,27 @@ from specd.models.pool import pooled_extend
 def main() -> None:
     old_key = sys.argv[1]
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    tables = "--tables" in sys.argv  # the old library takes the rotary tables as inputs too
     torch.set_num_threads(2)
     sessions = {}
     for name in ("after", "before"):
         model = load_model("embedded", device="cpu", dtype="float32")
-        key = aot.AotRunner._key
-        if name == "before":
+        saved = aot.AotRunner._key, aot.AotRunner._args, aot._known_tensors
+        if name == "before":  # a library from before the rotary tables became inputs (tables=False)
+            args, known = aot.AotRunner._args, aot._known_tensors
             aot.AotRunner._key = lambda self: old_key
+            if not tables:
+                aot.AotRunner._args = lambda self, x: args(self, x)[:-1]
+                aot._known_tensors = lambda pool: {**known(pool), "pool.cos": pool.cos, "pool.sin": pool.sin,
+                                                   "pool.sin_signed": pool.sin_signed}
         try:
             model.use_pool(9, 2 * context + 64, compiled="on")
         finally:
-            aot.AotRunner._key = key
+            aot.AotRunner._key, aot._known_tensors = saved[0], saved[2]
+        if name == "before" and not tables:
+            runner = model.pool.runner
+            runner._args = lambda x: args(runner, x)[:-1]
+        aot.AotRunner._args = saved[1]
         group = [model.session() for _ in range(9)]
         for i, s in enumerate(group):
             s.extend(list(range(100, 100 + (context if i % 2 == 0 else context // 4))), 1)

@@ -54,6 +54,16 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
   return a[0];
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Lane i: the sum of v[i]'s eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) for every i.
+inline vec sum_each(const vec v[8]) {
+  const __m256 a = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), b = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+  const __m256 c = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), d = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // per half: lanes 0-3, then 4-7
+  return (vec)_mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#endif
+
 // exp of every lane (Cephes' single-precision method: 2^n times a polynomial of the remainder,
 // within about 2 float ulps), lane by lane the same operations, so a score's exp does not depend
 // on the lanes beside it. For x <= 0 (softmax scores less their maximum).
@@ -241,6 +251,30 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       const float* values = vp + sp[b] * v.stride(0) + kvh * v.stride(1);
       const int64_t stride = (most + kLanes - 1) / kLanes * kLanes;  // whole vectors per query
       scores.assign(nq * stride, 0.f);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      // Eight keys at a time: their eight vectors of partial sums reduced together into one
+      // vector of eight scores, each by the same tree. Keys past the pool's last column are read
+      // as that column (their scores, like any past a query's position, are never used).
+      for (int64_t s0 = 0; s0 < most; s0 += 8) {
+        const float* key[8];
+        for (int u = 0; u < 8; ++u) key[u] = keys + std::min(s0 + u, columns - 1) * k.stride(2);
+        for (int64_t j = 0; j < nq; ++j) {
+          if (s0 >= seen[j]) continue;
+          const float* qv = qp + index[j] * D;
+          vec sums[8] = {};
+          for (int64_t d = 0; d < body; d += kLanes) {
+            const vec x = load(qv + d);
+            for (int u = 0; u < 8; ++u) sums[u] = madd(x, load(key[u] + d), sums[u]);
+          }
+          vec dots = sum_each(sums);
+          for (int64_t d = body; d < D; ++d) {
+            for (int u = 0; u < 8; ++u) dots[u] += qv[d] * key[u][d];
+          }
+          const vec scaled = dots * fscale;
+          std::memcpy(scores.data() + j * stride + s0, &scaled, sizeof(scaled));
+        }
+      }
+#else
       for (int64_t s = 0; s < most; ++s) {
         const float* key = keys + s * k.stride(2);
         for (int64_t j = 0; j < nq; ++j) {
@@ -253,6 +287,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
           scores[j * stride + s] = dot * fscale;
         }
       }
+#endif
       totals.assign(nq, 0.f);
       for (int64_t j = 0; j < nq; ++j) {
         float* row = scores.data() + j * stride;

@@ -97,11 +97,11 @@ def test_pool_attention_equals_sdpa_over_the_gathered_keys_and_a_row_is_its_own(
     position: SDPA's result over the gathered keys within float32 rounding, padded queries (position
     0) included, and a query's result the same bits alone or in any batch."""
     gen = torch.Generator().manual_seed(dim)
-    slots, kv_heads, groups, columns, width = 5, 3, 3, 40, 6
+    slots, kv_heads, groups, columns, width = 5, 3, 3, 43, 6
     k, v = torch.randn(slots, kv_heads, columns, dim, generator=gen), torch.randn(slots, kv_heads, columns, dim, generator=gen)
     q = torch.randn(3, kv_heads * groups, width, dim, generator=gen)
     rows_slots = torch.tensor([4, 1, 2])
-    qpos = torch.tensor([[20, 21, 22, 23, 24, 25], [5, 6, 7, 8, 0, 0], [39, 0, 0, 0, 0, 0]])  # padded queries: 0
+    qpos = torch.tensor([[20, 21, 22, 23, 24, 25], [5, 6, 7, 8, 0, 0], [42, 0, 0, 0, 0, 0]])  # padded queries: 0; 42: the last column
     out = torch.ops.specd.rows_attention(q, k, v, rows_slots, qpos, 0.125)
     mask = (torch.arange(columns) <= qpos[:, :, None])[:, None]
     expected = F.scaled_dot_product_attention(q, k.index_select(0, rows_slots), v.index_select(0, rows_slots),
