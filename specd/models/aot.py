@@ -49,8 +49,10 @@ CPU_COMPILE_MODES = ("auto", "on", "off")
 MAX_WIDTH = 32  # query rows of a compiled forward: decode steps and verification windows
 MAX_POOL_DIM = 1 << 20  # bound of the symbolic sizes (rows, slots, positions)
 PROBE_TOLERANCE = 1e-3  # largest |compiled - eager| of a probe's hidden states the library may show
-# Keys and values a compiled forward may read (every row up to the longest context), as a share
-# of the weights' bytes; beyond it the eager forward's attention is faster (docs/engine.md).
+# Keys and values a compiled forward that gathers them for SDPA (one compiled without the few-row
+# operator) may read, every row up to the longest context, as a share of the weights' bytes;
+# beyond it the eager forward's attention is faster (docs/engine.md). A library that attends with
+# the operator reads each row's own keys in place and is faster at every context measured.
 KEY_READ_SHARE = 1 / 2
 
 
@@ -115,9 +117,11 @@ class AotRunner:
         self.tables = (pool.cos, pool.sin)  # rotary cos and sin for every column: as long as the pool's slots
         self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
-        self.key_read_limit = KEY_READ_SHARE * sum(t.numel() * t.element_size() for t in pool.lean.model.parameters())
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
         rows.load(cache_dir)  # the few-row product the library calls, where it builds here
+        weights = sum(t.numel() * t.element_size() for t in pool.lean.model.parameters())
+        in_place = rows.attends(pool.dtype, pool.device)  # traced with the operator's attention
+        self.key_read_limit = float("inf") if in_place else KEY_READ_SHARE * weights
         self.key = self._key()  # which library: part of the cost curve's key too (specd.costs)
         self.path = Path(cache_dir) / "aot" / f"{self.key}.pt2"
         self._load_or_compile()
@@ -230,11 +234,11 @@ class AotRunner:
         return self.library(*self._args(x)), width
 
     def eager_is_faster(self, rows: Sequence[PoolRow], span: int) -> bool:
-        """Whether the eager forward beats the compiled one: where the compiled forward, every row
-        reading keys and values up to the longest context, would read more than KEY_READ_SHARE of
-        the weights' bytes. The compiled forward costs more per key of context than the eager one
-        (measured, not profiled: docs/engine.md), which also attends in span groups where
-        contexts differ widely (KVPool._span_groups); short of that the compiled forward wins."""
+        """Whether the eager forward beats the compiled one: never where the library attends with
+        the few-row operator; else where the compiled forward, every row gathering keys and values
+        up to the longest context for SDPA, would read more than KEY_READ_SHARE of the weights'
+        bytes (it then costs more per key than the eager forward, which also attends in span
+        groups where contexts differ widely, KVPool._span_groups; docs/engine.md)."""
         return len(rows) * span * self.pool.bytes_per_token() > self.key_read_limit
 
 
