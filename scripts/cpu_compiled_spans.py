@@ -1,6 +1,7 @@
-"""When is the compiled CPU forward slower than the eager one? It costs more per key of context,
-and every row reads keys up to the batch's longest context, where the eager forward attends in
-span groups (KVPool._span_groups). On the embedded target:
+"""When is the compiled CPU forward slower than the eager one? A library that gathers keys for
+SDPA costs more per key of context, every row reading keys up to the batch's longest context,
+where the eager forward attends in span groups (KVPool._span_groups); one that attends in place
+with the few-row operator reads each row's own. On the embedded target:
 decode steps and a mixed batch (windows among decode steps) of sessions prefilled to the given
 contexts (docs/engine.md, "Compiled CPU forwards").
 

@@ -34,16 +34,16 @@ def main() -> None:
             args, known = aot.AotRunner._args, aot._known_tensors
             aot.AotRunner._key = lambda self: old_key
             if not tables:
-                aot.AotRunner._args = lambda self, x: args(self, x)[:-1]
-                aot._known_tensors = lambda pool: {**known(pool), "pool.cos": pool.cos, "pool.sin": pool.sin,
-                                                   "pool.sin_signed": pool.sin_signed}
+                aot.AotRunner._args = lambda self, x, args=args: args(self, x)[:-1]
+                aot._known_tensors = lambda pool, known=known: {**known(pool), "pool.cos": pool.cos, "pool.sin": pool.sin,
+                                                                "pool.sin_signed": pool.sin_signed}
         try:
             model.use_pool(9, 2 * context + 64, compiled="on")
         finally:
             aot.AotRunner._key, aot._known_tensors = saved[0], saved[2]
         if name == "before" and not tables:
             runner = model.pool.runner
-            runner._args = lambda x: args(runner, x)[:-1]
+            runner._args = lambda x, args=args, runner=runner: args(runner, x)[:-1]
         aot.AotRunner._args = saved[1]
         group = [model.session() for _ in range(9)]
         for i, s in enumerate(group):
