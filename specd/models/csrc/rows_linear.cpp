@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -215,6 +215,8 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   TORCH_CHECK(slots.numel() == B && qpos.numel() == B * T, "rows_attention: slots [B] and qpos [B, T]");
   const int64_t groups = H / k.size(1), columns = k.size(2);
+  const int64_t k_slot = k.stride(0), k_head = k.stride(1), k_col = k.stride(2);
+  const int64_t v_slot = v.stride(0), v_head = v.stride(1), v_col = v.stride(2);
   at::Tensor out = at::empty_like(q);
   const float* qp = q.const_data_ptr<float>();
   const float* kp = k.const_data_ptr<float>();
@@ -247,8 +249,8 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
         }
       }
       const int64_t nq = static_cast<int64_t>(index.size());
-      const float* keys = kp + sp[b] * k.stride(0) + kvh * k.stride(1);
-      const float* values = vp + sp[b] * v.stride(0) + kvh * v.stride(1);
+      const float* keys = kp + sp[b] * k_slot + kvh * k_head;
+      const float* values = vp + sp[b] * v_slot + kvh * v_head;
       const int64_t stride = (most + kLanes - 1) / kLanes * kLanes;  // whole vectors per query
       scores.assign(nq * stride, 0.f);
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -257,7 +259,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       // as that column (their scores, like any past a query's position, are never used).
       for (int64_t s0 = 0; s0 < most; s0 += 8) {
         const float* key[8];
-        for (int u = 0; u < 8; ++u) key[u] = keys + std::min(s0 + u, columns - 1) * k.stride(2);
+        for (int u = 0; u < 8; ++u) key[u] = keys + std::min(s0 + u, columns - 1) * k_col;
         for (int64_t j = 0; j < nq; ++j) {
           if (s0 >= seen[j]) continue;
           const float* qv = qp + index[j] * D;
@@ -276,7 +278,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       }
 #else
       for (int64_t s = 0; s < most; ++s) {
-        const float* key = keys + s * k.stride(2);
+        const float* key = keys + s * k_col;
         for (int64_t j = 0; j < nq; ++j) {
           if (s >= seen[j]) continue;
           const float* qv = qp + index[j] * D;
@@ -303,7 +305,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       }
       acc.assign(nq * chunks, vec{});
       for (int64_t s = 0; s < most; ++s) {
-        const float* value = values + s * v.stride(2);
+        const float* value = values + s * v_col;
         for (int64_t j = 0; j < nq; ++j) {
           if (s >= seen[j]) continue;
           const float w = scores[j * stride + s];
