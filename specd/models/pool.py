@@ -409,17 +409,18 @@ class KVPool:
             if real is None:
                 return t
             return t.new_zeros(batch * width, t.shape[-1]).index_copy_(0, real, t[0]).view(batch, width, -1)
+        # A compiled forward attends with the few-row operator, which reads the pool in place and
+        # applies the causal rule itself; the eager one keeps SDPA (a run of slots is a view there,
+        # and its logits stay transformers').
+        compiled_attention = (torch.compiler.is_compiling() and x.tree_mask is None
+                              and few_rows.attends(self.dtype, self.device))
         mask = x.tree_mask
         # One query sees every key up to itself: no mask (a traced forward takes any shape: masked).
-        if mask is None and (torch.compiler.is_compiling() or (batch, width) != (1, 1)):
+        if mask is None and not compiled_attention and (torch.compiler.is_compiling() or (batch, width) != (1, 1)):
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
         cos_table, sin_table = (self.cos, self.sin) if tables is None else tables
         cos, sin = cos_table[x.rope_pos][:, None], sin_table[x.rope_pos][:, None]  # [B, 1, T, D]
         rows = x.slots[:, None]
-        # A compiled forward attends with the few-row operator, which reads the pool in place; the
-        # eager one keeps SDPA (a run of slots is a view there, and its logits stay transformers').
-        compiled_attention = (torch.compiler.is_compiling() and x.tree_mask is None
-                              and few_rows.attends(self.dtype, self.device))
         h = lean.embed(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
             a = lean._rms(norm_in, h)

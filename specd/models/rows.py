@@ -148,8 +148,7 @@ def _attention_shape(q, k, v, slots, qpos, scale) -> torch.Tensor:
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (loaded() and x.dtype == weight.dtype == torch.float32
-            and x.device.type == weight.device.type == "cpu")
+    return attends(x.dtype, x.device) and weight.dtype == x.dtype and weight.device.type == x.device.type
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -170,8 +169,8 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def attends(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `attention` runs for a pool of this dtype and device: float32 on the CPU, the
-    operator loaded."""
+    """Whether the operators run for tensors of this dtype and device (`attention` for a pool of
+    them): float32 on the CPU, the operator loaded."""
     return loaded() and dtype == torch.float32 and device.type == "cpu"
 
 
