@@ -1,9 +1,13 @@
-"""The few-row product before and after its AVX2 register blocking (3 input rows per block of
-4 weight rows where the CPU lacks AVX-512, and a fused multiply-add named explicitly): the
-products of one forward of the embedded model's shapes (30 layers' seven and the LM head, random
-weights, 2 threads), both builds loaded in one process and alternated. Run from the repository
-root: python docs/bench/kernels-avx2-epyc/rows_blocks.py [repeats]; out-rows-blocks.txt holds
-what it printed on the 2-core AMD EPYC, 2026-11-27."""
+"""The few-row product of the working tree against an earlier commit's: the products of one
+forward of the embedded model's shapes (30 layers' seven and the LM head, random weights, 2
+threads), both builds loaded in one process and alternated. Run from the repository root:
+
+    python docs/bench/kernels-avx2-epyc/rows_blocks.py [repeats] [BEFORE]
+
+out-rows-blocks.txt: the AVX2 register blocking (3 input rows per block of 4 weight rows where
+the CPU lacks AVX-512, a fused multiply-add named explicitly) against a2014b1, the default.
+out-row-streams.txt: one weight row at a time for 1 row and for 8 and more, against cad1811.
+Both on the 2-core AMD EPYC, 2026-11-27."""
 import statistics
 import subprocess
 import sys
@@ -17,6 +21,7 @@ from torch.utils import cpp_extension
 from specd.models import rows
 
 BEFORE = "a2014b1"  # the last commit with 4 rows per block and separate multiplies and adds
+COUNTS = (1, 2, 3, 4, 6, 8, 9, 12, 17)
 
 
 def build(source: str, namespace: str, out_dir: Path):
@@ -34,9 +39,10 @@ def build(source: str, namespace: str, out_dir: Path):
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+    before = sys.argv[2] if len(sys.argv) > 2 else BEFORE
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    before_src = subprocess.run(["git", "show", f"{BEFORE}:{rows.SOURCE.relative_to(Path.cwd())}"],
+    before_src = subprocess.run(["git", "show", f"{before}:{rows.SOURCE.relative_to(Path.cwd())}"],
                                 check=True, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as d:
         products = {"before": build(before_src, "rows_before", Path(d)),
@@ -44,7 +50,7 @@ def main() -> None:
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # q/k/v, o, gate/up, down
     layers = [[torch.randn(n, k) * 0.05 for n, k in shapes] for _ in range(30)]
     head = torch.randn(49152, 576) * 0.05
-    counts = (1, 2, 4, 9, 17)
+    counts = COUNTS
     inputs = {m: {k: torch.randn(m, k) for k in (576, 1536)} for m in counts}
     times = {(name, m): [] for name in products for m in counts}
     for rep in range(repeats):
@@ -60,7 +66,10 @@ def main() -> None:
     for name, f in products.items():  # a row's result does not depend on the rows beside it
         x = inputs[17][576]
         assert torch.equal(f(x, head)[4:5], f(x[4:5], head)), name
-    print(f"ms per forward's products, median [min] of {repeats}")
+    same = all(torch.equal(products["before"](inputs[m][k], w), products["after"](inputs[m][k], w))
+               for m in counts for k, w in ((576, head), (1536, layers[0][3])))
+    print(f"ms per forward's products, median [min] of {repeats}; before: {before}; "
+          f"the same results bit for bit: {'yes' if same else 'no'}")
     print("| rows |", " | ".join(map(str, counts)), "|")
     for name in products:
         print(f"| {name} |", " | ".join(f"{1e3 * statistics.median(times[(name, m)]):.1f} "

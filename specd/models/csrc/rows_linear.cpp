@@ -128,15 +128,26 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
   }
 }
 
-// All rows of x against OUTS weight rows, RB rows at a time.
+// All rows of x against OUTS weight rows, RB rows at a time. One weight row (OUTS 1): 8 rows at
+// a time, then the rest in one pass, so the row is read once for up to 8 of them.
 template <int OUTS>
 void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N) {
   constexpr int RB = OUTS >= 4 ? kRows : 8;
   int64_t m = 0;
   for (; m + RB <= M; m += RB) block<RB, OUTS>(x + m * K, K, w, K, y + m * N, N);
-  if (RB == 8 && m + 4 <= M) {
-    block<4, OUTS>(x + m * K, K, w, K, y + m * N, N);
-    m += 4;
+  if constexpr (OUTS == 1) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (M - m) {
+      case 7: return block<7, 1>(xm, K, w, K, ym, N);
+      case 6: return block<6, 1>(xm, K, w, K, ym, N);
+      case 5: return block<5, 1>(xm, K, w, K, ym, N);
+      case 4: return block<4, 1>(xm, K, w, K, ym, N);
+      case 3: return block<3, 1>(xm, K, w, K, ym, N);
+      case 2: return block<2, 1>(xm, K, w, K, ym, N);
+      case 1: return block<1, 1>(xm, K, w, K, ym, N);
+      default: return;
+    }
   }
   for (; m + 2 <= M; m += 2) block<2, OUTS>(x + m * K, K, w, K, y + m * N, N);
   if (m < M) block<1, OUTS>(x + m * K, K, w, K, y + m * N, N);
@@ -145,10 +156,10 @@ void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int
 constexpr int64_t kMaxRows = 48;  // beyond this many rows the tiled product is as fast (measured)
 constexpr int kOuts = 4;  // weight rows a block reads together (measured best of 4 and 8)
 // One input row, or this many and more: one weight row at a time instead, so each thread reads
-// its weights as one sequential stream (kOuts rows side by side are kOuts short streams), and
-// 8 input rows share each read. Between the two, blocks of kOuts rows do better (measured:
+// its weights as one sequential stream (kOuts rows side by side are kOuts short streams), and up
+// to 8 input rows share each read. Between the two, blocks of kOuts rows do better (measured:
 // docs/engine.md, "The few-row product"). Either way each output is computed the same.
-constexpr int64_t kSeqRows = 8;
+constexpr int64_t kSeqRows = 6;
 
 // x against each weight in turn, their outputs side by side in one tensor [..., sum of N]: one
 // parallel pass over every block of every weight (q/k/v, or gate/up). Each output is computed
