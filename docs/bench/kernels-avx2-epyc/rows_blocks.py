@@ -6,8 +6,8 @@ threads), both builds loaded in one process and alternated. Run from the reposit
 
 out-rows-blocks.txt: the AVX2 register blocking (3 input rows per block of 4 weight rows where
 the CPU lacks AVX-512, a fused multiply-add named explicitly) against a2014b1, the default.
-out-row-streams.txt: one weight row at a time for 1 row and for 8 and more, against cad1811.
-Both on the 2-core AMD EPYC, 2026-11-27."""
+out-row-streams.txt: one weight row at a time for 1 row and from 6 rows (commit bfcda46, run
+there, reverted after) against cad1811. Both on the 2-core AMD EPYC, 2026-11-27."""
 import statistics
 import subprocess
 import sys

@@ -128,38 +128,18 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
   }
 }
 
-// All rows of x against OUTS weight rows, RB rows at a time. One weight row (OUTS 1): 8 rows at
-// a time, then the rest in one pass, so the row is read once for up to 8 of them.
+// All rows of x against OUTS weight rows, RB rows at a time.
 template <int OUTS>
 void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N) {
   constexpr int RB = OUTS >= 4 ? kRows : 8;
   int64_t m = 0;
   for (; m + RB <= M; m += RB) block<RB, OUTS>(x + m * K, K, w, K, y + m * N, N);
-  if constexpr (OUTS == 1) {
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    switch (M - m) {
-      case 7: return block<7, 1>(xm, K, w, K, ym, N);
-      case 6: return block<6, 1>(xm, K, w, K, ym, N);
-      case 5: return block<5, 1>(xm, K, w, K, ym, N);
-      case 4: return block<4, 1>(xm, K, w, K, ym, N);
-      case 3: return block<3, 1>(xm, K, w, K, ym, N);
-      case 2: return block<2, 1>(xm, K, w, K, ym, N);
-      case 1: return block<1, 1>(xm, K, w, K, ym, N);
-      default: return;
-    }
-  }
   for (; m + 2 <= M; m += 2) block<2, OUTS>(x + m * K, K, w, K, y + m * N, N);
   if (m < M) block<1, OUTS>(x + m * K, K, w, K, y + m * N, N);
 }
 
 constexpr int64_t kMaxRows = 48;  // beyond this many rows the tiled product is as fast (measured)
 constexpr int kOuts = 4;  // weight rows a block reads together (measured best of 4 and 8)
-// One input row, or this many and more: one weight row at a time instead, so each thread reads
-// its weights as one sequential stream (kOuts rows side by side are kOuts short streams), and up
-// to 8 input rows share each read. Between the two, blocks of kOuts rows do better (measured:
-// docs/engine.md, "The few-row product"). Either way each output is computed the same.
-constexpr int64_t kSeqRows = 6;
 
 // x against each weight in turn, their outputs side by side in one tensor [..., sum of N]: one
 // parallel pass over every block of every weight (q/k/v, or gate/up). Each output is computed
@@ -188,22 +168,21 @@ at::Tensor rows_linear_cat(const at::Tensor& x_in, at::TensorList ws_in) {
   at::Tensor y = at::empty(sizes, x.options());
   const float* xp = x.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const int64_t per_block = M == 1 || M >= kSeqRows ? 1 : kOuts;  // weight rows a block reads together
   struct Part { const float* w; int64_t n, col, first; };  // weight, its rows, its first output, block
   std::vector<Part> parts;
   int64_t blocks = 0, col = 0;
   for (const at::Tensor& w : ws) {
     parts.push_back({w.const_data_ptr<float>(), w.size(0), col, blocks});
-    blocks += (w.size(0) + per_block - 1) / per_block;
+    blocks += (w.size(0) + kOuts - 1) / kOuts;
     col += w.size(0);
   }
-  at::parallel_for(0, blocks, 64 / per_block, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     size_t p = 0;
     for (int64_t b = begin; b < end; ++b) {
       while (p + 1 < parts.size() && parts[p + 1].first <= b) ++p;
       const Part& part = parts[p];
-      const int64_t n = (b - part.first) * per_block;
-      const int64_t outs = std::min<int64_t>(per_block, part.n - n);
+      const int64_t n = (b - part.first) * kOuts;
+      const int64_t outs = std::min<int64_t>(kOuts, part.n - n);
       const float* wp = part.w + n * K;
       float* out = yp + part.col + n;
       if (outs == kOuts) {
