@@ -43,8 +43,15 @@ up: install
 protos: install
 	$(BIN)/python -m services.protogen
 
+# The stack tests' target (tests/integration, 1 thread) compiles its CPU forward first, alone: beside
+# another worker that compile outran the stack's start-up. Then two workers (pytest-xdist), each
+# test file on one of them (a file's fixtures start once); then the tests that measure the
+# machine's other work, alone.
 test: install system-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(BIN)/python -c "import torch; torch.set_num_threads(1); from specd.models import load_model; \
+	  load_model('embedded', device='cpu', dtype='float32', cpu_compile='on')"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 -m "not alone"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone
 
 # Unit tests only: tiny models, no real model, no other program started, no statistical tests;
 # two workers (pytest-xdist).

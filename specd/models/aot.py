@@ -173,7 +173,8 @@ class AotRunner:
         from torch.export import Dim
 
         p = self.pool
-        log.warning("compiling the CPU forward ahead of time: once per model and pool (about a minute)")
+        log.warning("compiling the CPU forward ahead of time, once per model and thread count (a few minutes; "
+                    "later starts load it)")
         t0 = time.perf_counter()
         # Pool geometry is symbolic too: one library for every pool of this model (a service's, an engine's).
         slots, columns = Dim("slots", min=2, max=MAX_POOL_DIM), Dim("columns", min=3, max=MAX_POOL_DIM)

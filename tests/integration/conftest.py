@@ -20,7 +20,7 @@ from specd.types import SamplingParams, SpecParams
 
 QUESTION = "Explain in simple terms how a hash map works."
 MESSAGES = [{"role": "user", "content": QUESTION}]
-STARTUP_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 600.0  # a target that compiles its CPU forward (about 3 minutes) beside other tests
 HTTP_TIMEOUT_S = 120.0
 MAX_TOKENS = 64  # the longest request; the reference is decoded once, this long
 REPO_ROOT = Path(__file__).resolve().parents[2]

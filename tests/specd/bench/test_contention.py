@@ -35,6 +35,7 @@ pytestmark = pytest.mark.external
 
 
 @needs_proc
+@pytest.mark.alone
 def test_a_busy_neighbour_counts_and_our_own_work_does_not():
     spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 1.0: pass\n"
     with CpuShare() as theirs:
