@@ -43,13 +43,12 @@ up: install
 protos: install
 	$(BIN)/python -m services.protogen
 
-# The stack tests' target (tests/integration, 1 thread) compiles its CPU forward first, alone: beside
-# another worker that compile outran the stack's start-up. Then two workers (pytest-xdist), each
-# test file on one of them (a file's fixtures start once); then the tests that measure the
-# machine's other work, alone.
+# The embedded target's CPU forwards are compiled first, for the thread counts the tests run it
+# with (scripts/compile_forwards.py: compiled beside another worker, one outran the stack's
+# start-up). Then two workers (pytest-xdist), each test file on one of them (a file's fixtures
+# start once); then the tests that measure the machine's other work, alone.
 test: install system-deps
-	$(BIN)/python -c "import torch; torch.set_num_threads(1); from specd.models import load_model; \
-	  load_model('embedded', device='cpu', dtype='float32', cpu_compile='on')"
+	$(BIN)/python scripts/compile_forwards.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 -m "not alone"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone
 
