@@ -181,11 +181,11 @@ class AotRunner:
         batch, width, span = Dim("batch", min=1, max=MAX_POOL_DIM), Dim("width", min=1, max=MAX_WIDTH), \
             Dim("span", min=1, max=MAX_POOL_DIM)
         real = Dim("real", min=1, max=MAX_POOL_DIM)
-        rows = {0: batch, 1: width}
+        row_dims = {0: batch, 1: width}
         # The rotary tables are inputs with a symbolic length: as constants their length, the pool's
         # max_len, was compiled in, and a pool with longer slots that loaded the library aborted
         # on its first position past it (an index check in the compiled loops).
-        shapes = (rows, rows, rows, rows, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv),
+        shapes = (row_dims, row_dims, row_dims, row_dims, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv),
                   ({0: columns}, {0: columns}))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -200,8 +200,10 @@ class AotRunner:
         tmp = self.path.with_suffix(f".tmp{os.getpid()}.pt2")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            configs = {"aot_inductor.package_constants_in_so": False}
+            if rows.loaded():  # the operators called directly (C functions), not through the proxy executor
+                configs["aot_inductor.custom_ops_to_c_shims"] = rows.c_shims()
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
             library = torch._inductor.aoti_load_package(str(tmp))
         missing = set(library.get_constant_fqns()) - set(names)
         if missing:

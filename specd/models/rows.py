@@ -19,12 +19,14 @@ needs them gathered into a copy first; each query alone, so it too is the same w
 The operator is compiled with the machine's C++ compiler (`-O3 -march=native`; vectors of 16
 floats where the CPU has AVX-512, else 8) the first time it is needed and kept under
 `<cache dir>/ops/`, keyed by its source, flags, torch's version and the CPU. The compiled
-forward's library calls it by name, so it is loaded (`load`) before a library that uses it.
+forward's library calls its C functions (`c_shims`) by name, so it is loaded (`load`, its symbols
+global) before a library that uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -106,6 +108,8 @@ def load(cache_dir: Path | None = None) -> str | None:
                     _build(tmp, cxx)
                     tmp.replace(path)
             torch.ops.load_library(str(path))
+            # Its C functions (c_shims) visible to the compiled forward's library, which calls them by name.
+            ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL | os.RTLD_NOW)
             torch.library.register_fake("specd::rows_linear")(_shape)
             torch.library.register_fake("specd::rows_linear_cat")(_cat_shape)
             torch.library.register_fake("specd::rows_attention")(_attention_shape)
@@ -119,6 +123,21 @@ def load(cache_dir: Path | None = None) -> str | None:
 
 def loaded() -> bool:
     return _state.get("reason") == ""
+
+
+def c_shims() -> dict:
+    """The operators' C functions, as AOTInductor's `custom_ops_to_c_shims` takes them: a compiled
+    forward calls them directly (csrc/rows_linear.cpp), not through its proxy executor."""
+    out = "AtenTensorHandle* ret0"
+    ops = torch.ops.specd
+    return {
+        ops.rows_linear.default: [f"AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight, {out})"],
+        ops.rows_linear_cat.default: ["AOTITorchError aoti_torch_cpu_rows_linear_cat(AtenTensorHandle x, "
+                                      f"const AtenTensorHandle* weights, int64_t weights_len_, {out})"],
+        ops.rows_attention.default: ["AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                                     "AtenTensorHandle v, AtenTensorHandle slots, AtenTensorHandle qpos, double scale, "
+                                     f"{out})"],
+    }
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ out-cat-step.txt: q/k/v in one pass of the few-row product (OLD_KEY 602faef56a5a
 commit before it; printed by this script's first version, which ran the single session only).
 out-attention.txt: the attention reading the pool in place (OLD_KEY 5d400ce376085ee56b42, before
 the rotary tables became the library's inputs).
-Both on the 2-core AMD EPYC, 2026-11-27."""
+out-c-shims.txt: the operators called as C functions, not through the proxy executor (OLD_KEY
+a19157cf397197fc4f3a, commit ecb6e18, --tables).
+All on the 2-core AMD EPYC, 2026-11-27."""
 import statistics
 import sys
 import time

@@ -2,6 +2,7 @@
 // and those rows' attention over the KV pool. Why, and how it is built and loaded:
 // specd/models/rows.py.
 #include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -332,6 +333,42 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
 int64_t rows_lanes() { return kLanes; }
 
 }  // namespace
+
+// The compiled forward (AOTInductor) calls these C functions directly, as it calls torch's own
+// operators, rather than through its proxy executor (boxed arguments, a lookup by name, for each
+// of a step's 150 calls). aot.C_SHIMS declares them to the compiler; rows.load makes them visible
+// to the library that calls them.
+extern "C" {
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                            AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(rows_linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight)));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_rows_linear_cat(AtenTensorHandle x, const AtenTensorHandle* weights,
+                                                                int64_t weights_len_, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    std::vector<at::Tensor> ws;
+    ws.reserve(weights_len_);
+    for (int64_t i = 0; i < weights_len_; ++i) ws.push_back(*tensor_handle_to_tensor_pointer(weights[i]));
+    *ret0 = new_tensor_handle(rows_linear_cat(*tensor_handle_to_tensor_pointer(x), ws));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                               AtenTensorHandle slots, AtenTensorHandle qpos,
+                                                               double scale, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(rows_attention(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                                             *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(slots),
+                                             *tensor_handle_to_tensor_pointer(qpos), scale));
+  });
+}
+}
 
 TORCH_LIBRARY(specd, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
