@@ -128,15 +128,14 @@ def loaded() -> bool:
 def c_shims() -> dict:
     """The operators' C functions, as AOTInductor's `custom_ops_to_c_shims` takes them: a compiled
     forward calls them directly (csrc/rows_linear.cpp), not through its proxy executor."""
-    out = "AtenTensorHandle* ret0"
-    ops = torch.ops.specd
+    def declare(name: str, args: str) -> list[str]:
+        return [f"AOTITorchError aoti_torch_cpu_{name}({args}, AtenTensorHandle* ret0)"]
+
+    ops, t = torch.ops.specd, "AtenTensorHandle"
     return {
-        ops.rows_linear.default: [f"AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight, {out})"],
-        ops.rows_linear_cat.default: ["AOTITorchError aoti_torch_cpu_rows_linear_cat(AtenTensorHandle x, "
-                                      f"const AtenTensorHandle* weights, int64_t weights_len_, {out})"],
-        ops.rows_attention.default: ["AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
-                                     "AtenTensorHandle v, AtenTensorHandle slots, AtenTensorHandle qpos, double scale, "
-                                     f"{out})"],
+        ops.rows_linear.default: declare("rows_linear", f"{t} x, {t} weight"),
+        ops.rows_linear_cat.default: declare("rows_linear_cat", f"{t} x, const {t}* weights, int64_t weights_len_"),
+        ops.rows_attention.default: declare("rows_attention", f"{t} q, {t} k, {t} v, {t} slots, {t} qpos, double scale"),
     }
 
 
