@@ -336,7 +336,7 @@ int64_t rows_lanes() { return kLanes; }
 
 // The compiled forward (AOTInductor) calls these C functions directly, as it calls torch's own
 // operators, rather than through its proxy executor (boxed arguments, a lookup by name, for each
-// of a step's 150 calls). aot.C_SHIMS declares them to the compiler; rows.load makes them visible
+// of a step's 150 calls). rows.c_shims declares them to the compiler; rows.load makes them visible
 // to the library that calls them.
 extern "C" {
 using torch::aot_inductor::new_tensor_handle;
