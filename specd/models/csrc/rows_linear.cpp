@@ -55,13 +55,42 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
   return a[0];
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// Lane i: the sum of v[i]'s eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) for every i.
-inline vec sum_each(const vec v[8]) {
-  const __m256 a = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), b = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
-  const __m256 c = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), d = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+#if defined(__AVX2__)
+// reduce of four vectors at once, by the same tree, so the same bits: halves added (16 lanes,
+// then 8), then, lanes ordered 0 2 1 3, two horizontal adds give (0 + 2) + (1 + 3). The scalar
+// tree went through memory, a stored sum reloaded for every add: 30% of a window's products.
+inline __m128 reduce4(const vec v[4]) {
+  __m128 q[4];
+  for (int i = 0; i < 4; ++i) {
+#if defined(__AVX512F__)
+    const __m512 w = (__m512)v[i];
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+#else
+    const __m256 h = (__m256)v[i];
+#endif
+    q[i] = _mm_permute_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), 0xD8);  // 0 2 1 3
+  }
+  return _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3]));
+}
+
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+
+// Lane i: the sum of v[i]'s lanes. Eight lanes: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) for
+// every i; sixteen (AVX-512): each lane j of the low half plus lane j + 8 first, then that tree.
+inline vec8 sum_each(const vec v[8]) {
+  __m256 h[8];
+  for (int u = 0; u < 8; ++u) {
+#if defined(__AVX512F__)
+    const __m512 w = (__m512)v[u];
+    h[u] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+#else
+    h[u] = (__m256)v[u];
+#endif
+  }
+  const __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 c = _mm256_hadd_ps(h[4], h[5]), d = _mm256_hadd_ps(h[6], h[7]);
   const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // per half: lanes 0-3, then 4-7
-  return (vec)_mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+  return (vec8)_mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 #endif
 
@@ -95,11 +124,12 @@ inline vec exp_lanes(vec x) {
 }
 
 // Rows of x a block of kOuts weight rows multiplies at a time: their kOuts partial sums each,
-// the weight vectors and one input vector fit the registers (32 with AVX-512, 16 with AVX2).
-// With 4 on an AVX2-only CPU the compiler re-read the input from memory in every multiply-add,
-// and a window's products cost far more than a step's (docs/engine.md, "The few-row product").
+// the weight vectors and one input vector fit the registers (32 with AVX-512: 24 sums, 4 weights;
+// 16 with AVX2: 12 and 4). With 4 on an AVX2-only CPU the compiler re-read the input from memory
+// in every multiply-add, and a window's products cost far more than a step's (docs/engine.md,
+// "The few-row product"). The rows left over go in one pass of their own count.
 #if defined(__AVX512F__)
-constexpr int kRows = 4;
+constexpr int kRows = 6;
 #else
 constexpr int kRows = 3;
 #endif
@@ -121,8 +151,17 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
     }
   }
   for (int r = 0; r < RB; ++r) {
+    float sums[OUTS];
+#if defined(__AVX2__)
+    if constexpr (OUTS == 4) {
+      _mm_storeu_ps(sums, reduce4(acc[r]));
+    } else
+#endif
+    {
+      for (int j = 0; j < OUTS; ++j) sums[j] = reduce(acc[r][j]);
+    }
     for (int j = 0; j < OUTS; ++j) {
-      float s = reduce(acc[r][j]);
+      float s = sums[j];
       for (int64_t k = body; k < K; ++k) s += x[r * ldx + k] * w[j * K + k];
       y[r * ldy + j] = s;
     }
@@ -135,8 +174,15 @@ void outputs(const float* x, int64_t M, const float* w, int64_t K, float* y, int
   constexpr int RB = OUTS >= 4 ? kRows : 8;
   int64_t m = 0;
   for (; m + RB <= M; m += RB) block<RB, OUTS>(x + m * K, K, w, K, y + m * N, N);
-  for (; m + 2 <= M; m += 2) block<2, OUTS>(x + m * K, K, w, K, y + m * N, N);
-  if (m < M) block<1, OUTS>(x + m * K, K, w, K, y + m * N, N);
+  switch (M - m) {  // the rest in one pass
+    case 7: block<7, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 6: block<6, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 5: block<5, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 4: block<4, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 3: block<3, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 2: block<2, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+    case 1: block<1, OUTS>(x + m * K, K, w, K, y + m * N, N); break;
+  }
 }
 
 constexpr int64_t kMaxRows = 48;  // beyond this many rows the tiled product is as fast (measured)
@@ -254,7 +300,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       const float* values = vp + sp[b] * v_slot + kvh * v_head;
       const int64_t stride = (most + kLanes - 1) / kLanes * kLanes;  // whole vectors per query
       scores.assign(nq * stride, 0.f);
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
       // Eight keys at a time: their eight vectors of partial sums reduced together into one
       // vector of eight scores, each by the same tree. Keys past the pool's last column are read
       // as that column (their scores, like any past a query's position, are never used).
@@ -269,11 +315,11 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
             const vec x = load(qv + d);
             for (int u = 0; u < 8; ++u) sums[u] = madd(x, load(key[u] + d), sums[u]);
           }
-          vec dots = sum_each(sums);
+          vec8 dots = sum_each(sums);
           for (int64_t d = body; d < D; ++d) {
             for (int u = 0; u < 8; ++u) dots[u] += qv[d] * key[u][d];
           }
-          const vec scaled = dots * fscale;
+          const vec8 scaled = dots * fscale;
           std::memcpy(scores.data() + j * stride + s0, &scaled, sizeof(scaled));
         }
       }
@@ -293,14 +339,27 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
 #endif
       totals.assign(nq, 0.f);
       for (int64_t j = 0; j < nq; ++j) {
+        // The maximum and the sum a vector at a time (a scalar chain of dependent adds cost as
+        // much as the scores): the sum lane by lane, then reduce's tree, then the last keys in
+        // order, so it depends only on the query's own keys.
         float* row = scores.data() + j * stride;
+        const int64_t n = seen[j], whole = n - n % kLanes;
+        vec tops = vec{} - INFINITY;
+        for (int64_t s = 0; s < whole; s += kLanes) {
+          const vec r = load(row + s);
+          tops = r > tops ? r : tops;
+        }
         float top = -INFINITY;
-        for (int64_t s = 0; s < seen[j]; ++s) top = std::max(top, row[s]);
-        for (int64_t s = 0; s < seen[j]; s += kLanes) {  // lanes past the query's keys are never read
+        for (int l = 0; l < kLanes; ++l) top = std::max(top, tops[l]);
+        for (int64_t s = whole; s < n; ++s) top = std::max(top, row[s]);
+        for (int64_t s = 0; s < n; s += kLanes) {  // lanes past the query's keys are never read
           const vec e = exp_lanes(load(row + s) - top);
           std::memcpy(row + s, &e, sizeof(e));
         }
-        for (int64_t s = 0; s < seen[j]; ++s) totals[j] += row[s];
+        vec sum = {};
+        for (int64_t s = 0; s < whole; s += kLanes) sum += load(row + s);
+        totals[j] = reduce(sum);
+        for (int64_t s = whole; s < n; ++s) totals[j] += row[s];
         float* o = op + index[j] * D;
         for (int64_t d = body; d < D; ++d) o[d] = 0.f;
       }
