@@ -58,7 +58,7 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
 #if defined(__AVX2__)
 // reduce of four vectors at once, by the same tree, so the same bits: halves added (16 lanes,
 // then 8), then, lanes ordered 0 2 1 3, two horizontal adds give (0 + 2) + (1 + 3). The scalar
-// tree went through memory, a stored sum reloaded for every add: 30% of a window's products.
+// tree went through memory, a stored sum reloaded for every add (docs/engine.md).
 inline __m128 reduce4(const vec v[4]) {
   __m128 q[4];
   for (int i = 0; i < 4; ++i) {
@@ -339,9 +339,9 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
 #endif
       totals.assign(nq, 0.f);
       for (int64_t j = 0; j < nq; ++j) {
-        // The maximum and the sum a vector at a time (a scalar chain of dependent adds cost as
-        // much as the scores): the sum lane by lane, then reduce's tree, then the last keys in
-        // order, so it depends only on the query's own keys.
+        // The maximum and the sum a vector at a time, not as chains of dependent scalar
+        // operations: the sum lane by lane, then reduce's tree, then the last keys in order, so
+        // it depends only on the query's own keys.
         float* row = scores.data() + j * stride;
         const int64_t n = seen[j], whole = n - n % kLanes;
         vec tops = vec{} - INFINITY;
