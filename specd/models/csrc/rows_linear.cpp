@@ -307,6 +307,10 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       for (int64_t s0 = 0; s0 < most; s0 += 8) {
         const float* key[8];
         for (int u = 0; u < 8; ++u) key[u] = keys + std::min(s0 + u, columns - 1) * k_col;
+        for (int u = 0; u < 8; ++u) {  // the keys two groups ahead, their cache lines
+          const float* ahead = keys + std::min(s0 + 16 + u, most - 1) * k_col;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(ahead + d);
+        }
         for (int64_t j = 0; j < nq; ++j) {
           if (s0 >= seen[j]) continue;
           const float* qv = qp + index[j] * D;
@@ -366,6 +370,8 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       acc.assign(nq * chunks, vec{});
       for (int64_t s = 0; s < most; ++s) {
         const float* value = values + s * v_col;
+        const float* ahead = values + std::min(s + 8, most - 1) * v_col;  // a value 8 keys ahead
+        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(ahead + d);
         for (int64_t j = 0; j < nq; ++j) {
           if (s >= seen[j]) continue;
           const float w = scores[j * stride + s];
