@@ -6,8 +6,9 @@ repository root:
     python docs/bench/kernels-avx512-xeon/attention_ab.py [repeats] [BEFORE]
 
 out-attention.txt: eight keys scored together on AVX-512 too (their 16-lane sums halved, then
-the AVX2 tree) against 8124db0, where AVX-512 scored one key at a time. 2-core Intel Xeon
-(AVX-512), 2026-11-28."""
+the AVX2 tree) against 8124db0, where AVX-512 scored one key at a time.
+out-attention-prefetch.txt: the keys and values prefetched ahead, against 92473ad.
+Both on a 2-core Intel Xeon (AVX-512), 2026-11-28."""
 import statistics
 import subprocess
 import sys
