@@ -144,7 +144,7 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float*
   for (int64_t k = 0; k < body; k += kLanes) {
     vec wv[OUTS];
     for (int j = 0; j < OUTS; ++j) wv[j] = load(w + j * K + k);
-    for (int j = 0; j < OUTS; ++j) __builtin_prefetch(w + (OUTS + j) * K + k);  // the next block's rows
+    for (int j = 0; j < OUTS; ++j) __builtin_prefetch(w + (OUTS + j) * K + k, 0, 2);  // the next block's rows, to L2
     for (int r = 0; r < RB; ++r) {
       const vec xv = load(x + r * ldx + k);
       for (int j = 0; j < OUTS; ++j) acc[r][j] = madd(xv, wv[j], acc[r][j]);
