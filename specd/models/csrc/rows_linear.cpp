@@ -56,18 +56,23 @@ inline float reduce(vec v) {  // a fixed tree, halving the vector: the same orde
 }
 
 #if defined(__AVX2__)
+// A vector's eight-lane half sums: lane j plus lane j + 8 with AVX-512, else the vector itself.
+inline __m256 halves(vec v) {
+#if defined(__AVX512F__)
+  const __m512 w = (__m512)v;
+  return _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+#else
+  return (__m256)v;
+#endif
+}
+
 // reduce of four vectors at once, by the same tree, so the same bits: halves added (16 lanes,
 // then 8), then, lanes ordered 0 2 1 3, two horizontal adds give (0 + 2) + (1 + 3). The scalar
 // tree went through memory, a stored sum reloaded for every add (docs/engine.md).
 inline __m128 reduce4(const vec v[4]) {
   __m128 q[4];
   for (int i = 0; i < 4; ++i) {
-#if defined(__AVX512F__)
-    const __m512 w = (__m512)v[i];
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
-#else
-    const __m256 h = (__m256)v[i];
-#endif
+    const __m256 h = halves(v[i]);
     q[i] = _mm_permute_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), 0xD8);  // 0 2 1 3
   }
   return _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3]));
@@ -79,14 +84,7 @@ typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 // every i; sixteen (AVX-512): each lane j of the low half plus lane j + 8 first, then that tree.
 inline vec8 sum_each(const vec v[8]) {
   __m256 h[8];
-  for (int u = 0; u < 8; ++u) {
-#if defined(__AVX512F__)
-    const __m512 w = (__m512)v[u];
-    h[u] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
-#else
-    h[u] = (__m256)v[u];
-#endif
-  }
+  for (int u = 0; u < 8; ++u) h[u] = halves(v[u]);
   const __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
   const __m256 c = _mm256_hadd_ps(h[4], h[5]), d = _mm256_hadd_ps(h[6], h[7]);
   const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // per half: lanes 0-3, then 4-7
