@@ -11,11 +11,16 @@ half then runs while the other half travels). A lone session is never kept waiti
 worker only waits for sessions it has answered and that have not come back yet.
 
 A plain run (a session's decoding steps with no round trip between them, `PlainRun`) needs no
-wait: after each forward the worker queues the run's next step itself. Where a forward's plain
-runs are at least as many as its travelling sessions, the worker starts the next forward before
-it hands over the last one's results, so the servicer's replies (and the travellers' round
-trips) happen while the next forward runs instead of between forwards; the travellers join the
-forward after.
+wait: after each forward the worker queues the run's next step itself. Whether its next step
+waits for the travelling sessions (those that went back to their coordinator) is a trade of
+session time: waiting costs each plain run the travellers' round trip, not waiting costs each
+traveller a whole forward (it joins the one after). The worker follows the round trip it
+measures (hand-over to the last traveller's return) and starts the next forward at once, before
+it hands over the last one's results, only where the plain runs lose more by waiting:
+round trip x plain runs > forward x travellers. On a CPU, where a forward takes far longer than
+a round trip, travellers are waited for; where the round trip is as long as the forward (a GPU
+under load), many plain runs go on and the travellers' replies travel while the next forward
+runs (docs/engine.md, "Plain runs in the step scheduler").
 
 Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
@@ -179,6 +184,8 @@ class StepBatcher:
         self.last_batch_size = 0
         self.last_forward_s = 0.0
         self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
+        self.round_trip = MovingAverage()  # seconds from a hand-over until its last traveller was back
+        self.away: dict = {}  # travelling session -> when its result was handed over
         self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
         self._worker: asyncio.Task | None = None
 
@@ -206,12 +213,16 @@ class StepBatcher:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
         self.returning.discard(job.session)
+        handed = self.away.pop(job.session, None)
+        if handed is not None and handed not in self.away.values():  # the last of its hand-over back
+            self.round_trip.observe(time.perf_counter() - handed)
         self.queue.append(job)
         self.arrived.set()
 
     def forget(self, session: KVSession | PoolSession) -> None:
         """The session ended: the worker no longer waits for it."""
         self.returning.discard(session)
+        self.away.pop(session, None)
         self.arrived.set()
 
     async def _gather(self) -> tuple[list[Job], float, int]:
@@ -286,12 +297,18 @@ class StepBatcher:
                 self.last_forward_s = time.perf_counter() - t0
             going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
-            # Plain runs go on without a round trip, the other sessions travel: where the runs
-            # are at least as many, the next forward starts at once and the travellers join the
-            # one after; else they are handed their results first and waited for (_gather).
             travelling = sum(1 for j in jobs if (j.run is None and not j.future.done())
                              or (j.run is not None and id(j.run) not in going))
-            at_once = len(going) >= max(travelling, 1)
+            at_once = self._at_once(len(going), travelling)
+
+    def _at_once(self, runs: int, travelling: int) -> bool:
+        """Whether the next forward starts at once with the plain runs' next steps, leaving the
+        travellers for the one after: where waiting for them (the measured round trip, for each
+        run) would cost more session time than a forward each costs them. Until a round trip
+        has been measured, they are waited for (the wait is bounded by `gather`)."""
+        if not runs:
+            return False
+        return not travelling or self.round_trip.value * runs > self.last_forward_s * travelling
 
     def _queue_next_steps(self, jobs: list[Job], results: list) -> set[int]:
         """Queue the next step of each plain run whose step succeeded and that goes on; the
@@ -316,6 +333,8 @@ class StepBatcher:
         that now travel are waited for."""
         self.returning = {j.session for j in jobs if (j.run is not None and id(j.run) not in going)
                           or (j.run is None and not j.future.done())}
+        now = time.perf_counter()
+        self.away.update((s, now) for s in self.returning)
         for j, r in zip(jobs, results):
             if j.run is not None:
                 j.run.results.put_nowait(r)

@@ -330,3 +330,55 @@ def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on
     (first, error, end), (token, info) = asyncio.run(main())
     assert isinstance(first[0], int) and isinstance(error, ValueError) and end is None
     assert isinstance(token, int) and info.batch_size == 1
+
+
+def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: float = 0.03) -> list:
+    """Session a in an endless plain run and session b travelling: each of its results goes back
+    to its coordinator, which sends the next window `round_trip` seconds later. Every verdict
+    takes `forward` seconds. How each forward was gathered, until b's `rounds` rounds are done."""
+    import time
+
+    seen: list = []
+
+    def then(logits, hidden):
+        time.sleep(forward)
+        return int(logits[-1].argmax())
+
+    async def main():
+        async with _batcher(pooled, 0.5, seen.append) as (batcher, a, b):
+            run = PlainRun(lambda: ([7], then))
+            batcher.start_run(a, [7], then, run)
+
+            async def drain():
+                while await run.results.get() is not None:
+                    pass
+
+            reader = asyncio.create_task(drain())
+            for _ in range(rounds):
+                await batcher.submit(b, [7], 1, then)
+                await asyncio.sleep(round_trip)
+            run.stop()
+            await asyncio.wait_for(reader, 5.0)
+
+    asyncio.run(main())
+    return seen
+
+
+def test_a_traveller_back_well_within_a_forward_is_waited_for_by_the_plain_runs(pooled):
+    """A CPU's case: the round trip (5 ms) is short beside the forward (30 ms), so the plain run
+    waits for the traveller, which joins every forward. Before, a forward with as many plain runs
+    as travellers started at once and the traveller missed every other forward."""
+    seen = _run_and_traveller(pooled, round_trip=0.005)
+    with_b = [g for g in seen if g.sessions == 2]
+    assert len(with_b) >= 5  # b's rounds after the first forward all shared a forward with a
+    assert len(seen) <= 7  # a did not run forwards of its own while b travelled
+    assert all(g.missed == 0 for g in seen)
+
+
+def test_a_traveller_slower_than_a_forward_does_not_hold_up_the_plain_runs(pooled):
+    """The opposite case: the round trip (120 ms) is longer than the forward (30 ms). Once it is
+    measured, the plain run's next steps start at once rather than waiting for the traveller."""
+    seen = _run_and_traveller(pooled, round_trip=0.12, rounds=4)
+    later = seen[len(seen) // 2:]
+    assert len(seen) >= 10  # a ran on while b travelled
+    assert all(g.gather_seconds < 0.01 for g in later)
