@@ -8,7 +8,7 @@ import asyncio
 import logging
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -50,6 +50,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.prefill_chunk = prefill_chunk
         self.executor = executor or compute_thread("target")
         self.sessions: set[TargetSession] = set()
+        self.releasing: set[Future] = set()  # ended sessions' slots, freed behind the running forward
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
@@ -109,8 +110,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
             self._admit()
-            session = TargetSession(self.target, list(first.open.prompt_ids),
-                                    sampling_from_proto(first.open.sampling), first.open.features)
+            session = await self._new_session(first.open)
         except Overloaded:
             self.metrics.observe_refused()
             raise
@@ -164,9 +164,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 after_run.exception()  # read, so that a failed read is not logged as never retrieved
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
-            self.executor.submit(session.close)
+            released = self.executor.submit(session.close)
+            self.releasing.add(released)
+            released.add_done_callback(self.releasing.discard)
             self.sessions.discard(session)
             self.batcher.forget(session.kv)
+
+    async def _new_session(self, open_msg: target_pb2.OpenTarget) -> TargetSession:
+        """A session in a free KV slot. Where every slot is taken but some belong to sessions
+        that already ended (their slots are freed on the compute thread, behind the forward
+        running), it waits for those, at most about a forward, then tries once more: a client
+        that sends its next request the moment its last one ended is not refused for a slot that
+        was about to be free."""
+        def new() -> TargetSession:
+            return TargetSession(self.target, list(open_msg.prompt_ids), sampling_from_proto(open_msg.sampling),
+                                 open_msg.features)
+        try:
+            return new()
+        except Overloaded:
+            pending = [asyncio.wrap_future(f) for f in list(self.releasing)]
+            if not pending:
+                raise
+        await asyncio.wait(pending)
+        return new()
 
     def _admit(self) -> None:
         """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) where the latency

@@ -109,6 +109,31 @@ def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, p
     assert pool.in_use() == 0
 
 
+def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service):
+    """Every slot taken, one session closes while a forward runs: its slot is freed on the
+    compute thread behind that forward. A session opened at once (a closed-loop client's next
+    request) waits for it and is served; before, it was refused (RESOURCE_EXHAUSTED, a 503)
+    for a slot that was about to be free."""
+    servicer = pooled_service.servicer
+
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            held = [await _open(stub), await _open(stub, PROMPT[:5])]
+            first = [await _verify(c, []) for c in held]
+            busy = servicer.executor.submit(time.sleep, 0.5)  # a long forward on the compute thread
+            await _close(held[0])
+            assert not busy.done()
+            replacement = await _open(stub)
+            verdict = await _verify(replacement, [])
+            assert verdict.next_token == first[0].next_token
+            for c in (held[1], replacement):
+                await _close(c)
+
+    asyncio.run(run())
+    eventually(lambda: servicer.target.pool.in_use() == 0)
+
+
 def test_a_client_gone_during_a_plain_run_frees_its_slot(pooled_service):
     """The run stops with the call: no step of it is queued any more, and its KV slot is free."""
     servicer = pooled_service.servicer
