@@ -161,6 +161,8 @@ class DraftRunner:
                 step = self.session.batch_step(seq, self.sampling, self.generator, self.want_hidden)
             if step is not None:
                 d, _ = await self.batcher.submit(step.kv, step.ids, 1, step.finish, self.want_hidden)
+            elif self.session.inline:  # a lookup: a thread hop (and the GIL's handover) would cost more
+                d = self._next(seq)
             else:
                 d = await loop.run_in_executor(self.executor, self._next, seq)
             seconds = time.perf_counter() - t0

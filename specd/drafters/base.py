@@ -58,6 +58,10 @@ class BatchStep:
 
 
 class DraftSession(ABC):
+    # A step is a lookup that costs less than handing it to another thread: a draft service runs
+    # it on its event loop (services.draft.runner), not on its compute thread.
+    inline: ClassVar[bool] = False
+
     @abstractmethod
     def next(self, seq: list[int], params: SamplingParams, generator: torch.Generator | None,
              want_hidden: bool) -> DraftToken | None:

@@ -54,6 +54,8 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
 
 
 class NgramSession(DraftSession):
+    inline = True  # a window's proposal is one lookup, handed out token by token
+
     def __init__(self, max_ngram: int, min_ngram: int, lookahead: int, datastore: Datastore | None = None,
                  vocab_size: int | None = None):
         self.max_ngram, self.min_ngram, self.lookahead = max_ngram, min_ngram, lookahead

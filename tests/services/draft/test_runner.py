@@ -469,3 +469,36 @@ def test_a_window_grows_into_a_tree_and_a_side_path_is_committed():
         task.cancel()
 
     asyncio.run(run())
+
+
+class LookupSession(FakeSession):
+    inline = True
+
+
+def test_a_lookup_drafters_window_is_drafted_on_the_event_loop():
+    """A lookup (n-gram, retrieval) costs less than a hop to the compute thread: the whole
+    window is drafted on the event loop, the compute thread never asked; a model drafter's steps
+    go to it one by one (the other tests)."""
+    async def main():
+        events: list = []
+        executor = ManualExecutor()
+        runner = DraftRunner(LookupSession(), build_policy("constant", {"k": 4}, {}), SamplingParams(), PROMPT,
+                             max_length=64, lookahead=1, send_q=False, executor=executor, publish=events.append)
+        task = asyncio.create_task(runner.run())
+        await settle()
+        task.cancel()
+        return events, executor
+
+    events, executor = asyncio.run(main())
+    assert not executor.pending
+    assert [e.token for e in events if isinstance(e, Token)] == [draft_of(p) for p in range(3, 7)]
+    assert isinstance(events[-1], WindowEnd) and (events[-1].start, events[-1].end) == (3, 7)
+
+
+def test_the_lookup_drafters_sessions_run_inline_and_a_model_drafters_do_not():
+    from specd.drafters.base import ModelDraftSession
+    from specd.drafters.ngram import NgramDrafter, RetrievalDrafter
+
+    assert issubclass(RetrievalDrafter, NgramDrafter)  # retrieval's sessions are n-gram sessions
+    assert NgramDrafter().open(100).inline
+    assert not ModelDraftSession.inline
