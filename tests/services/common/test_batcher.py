@@ -332,7 +332,8 @@ def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on
     assert isinstance(token, int) and info.batch_size == 1
 
 
-def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: float = 0.03) -> list:
+def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: float = 0.03,
+                       gather: float = 0.5) -> list:
     """Session a in an endless plain run and session b travelling: each of its results goes back
     to its coordinator, which sends the next window `round_trip` seconds later. Every verdict
     takes `forward` seconds. How each forward was gathered, until b's `rounds` rounds are done."""
@@ -345,7 +346,7 @@ def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: floa
         return int(logits[-1].argmax())
 
     async def main():
-        async with _batcher(pooled, 0.5, seen.append) as (batcher, a, b):
+        async with _batcher(pooled, gather, seen.append) as (batcher, a, b):
             run = PlainRun(lambda: ([7], then))
             batcher.start_run(a, [7], then, run)
 
@@ -368,7 +369,7 @@ def test_a_traveller_back_well_within_a_forward_is_waited_for_by_the_plain_runs(
     """A CPU's case: the round trip (5 ms) is short beside the forward (30 ms), so the plain run
     waits for the traveller, which joins every forward. Before, a forward with as many plain runs
     as travellers started at once and the traveller missed every other forward."""
-    seen = _run_and_traveller(pooled, round_trip=0.005)
+    seen = _run_and_traveller(pooled, round_trip=0.005, gather=4.0)  # a wait long enough for a busy CI
     with_b = [g for g in seen if g.sessions == 2]
     assert len(with_b) >= 5  # b's rounds after the first forward all shared a forward with a
     assert len(seen) <= 7  # a did not run forwards of its own while b travelled
