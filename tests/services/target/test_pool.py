@@ -121,7 +121,7 @@ def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service
             stub = target_pb2_grpc.TargetServiceStub(ch)
             held = [await _open(stub), await _open(stub, PROMPT[:5])]
             first = [await _verify(c, []) for c in held]
-            busy = servicer.executor.submit(time.sleep, 0.5)  # a long forward on the compute thread
+            busy = servicer.executor.submit(time.sleep, 1.5)  # a long forward on the compute thread
             await _close(held[0])
             assert not busy.done()
             replacement = await _open(stub)
