@@ -180,12 +180,12 @@ class StepBatcher:
         self.gather = gather  # wait for returning sessions up to this fraction of the last forward
         self.queue: list[Job] = []
         self.arrived = asyncio.Event()
-        self.returning: set = set()  # sessions answered by the last forward and not back yet
         self.last_batch_size = 0
         self.last_forward_s = 0.0
         self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
         self.round_trip = MovingAverage()  # seconds from a hand-over until its last traveller was back
         self.away: dict = {}  # travelling session -> when its result was handed over
+        self.handed_at = 0.0  # the last hand-over's
         self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
         self._worker: asyncio.Task | None = None
 
@@ -212,7 +212,6 @@ class StepBatcher:
     def _enqueue(self, job: Job) -> None:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run())
-        self.returning.discard(job.session)
         handed = self.away.pop(job.session, None)
         if handed is not None and handed not in self.away.values():  # the last of its hand-over back
             self.round_trip.observe(time.perf_counter() - handed)
@@ -221,9 +220,13 @@ class StepBatcher:
 
     def forget(self, session: KVSession | PoolSession) -> None:
         """The session ended: the worker no longer waits for it."""
-        self.returning.discard(session)
         self.away.pop(session, None)
         self.arrived.set()
+
+    @property
+    def returning(self) -> set:
+        """The sessions the last forward answered that have not come back yet."""
+        return {s for s, handed in self.away.items() if handed == self.handed_at}
 
     async def _gather(self) -> tuple[list[Job], float, int]:
         """The next forward's jobs: every queued one, after waiting (at most `gather` times the
@@ -297,9 +300,7 @@ class StepBatcher:
                 self.last_forward_s = time.perf_counter() - t0
             going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
-            travelling = sum(1 for j in jobs if (j.run is None and not j.future.done())
-                             or (j.run is not None and id(j.run) not in going))
-            at_once = self._at_once(len(going), travelling)
+            at_once = self._at_once(len(going), len(self._travellers(jobs, going)))
 
     def _at_once(self, runs: int, travelling: int) -> bool:
         """Whether the next forward starts at once with the plain runs' next steps, leaving the
@@ -309,6 +310,13 @@ class StepBatcher:
         if not runs:
             return False
         return not travelling or self.round_trip.value * runs > self.last_forward_s * travelling
+
+    @staticmethod
+    def _travellers(jobs: list[Job], going: set[int]) -> list:
+        """The sessions of a forward that go back to their coordinator: verifications, and plain
+        runs that ended."""
+        return [j.session for j in jobs if (j.run is not None and id(j.run) not in going)
+                or (j.run is None and not j.future.done())]
 
     def _queue_next_steps(self, jobs: list[Job], results: list) -> set[int]:
         """Queue the next step of each plain run whose step succeeded and that goes on; the
@@ -331,10 +339,8 @@ class StepBatcher:
     def _hand_over(self, jobs: list[Job], results: list, going: set[int]) -> None:
         """Each job's result to its waiter (a plain run's last step: then None); the sessions
         that now travel are waited for."""
-        self.returning = {j.session for j in jobs if (j.run is not None and id(j.run) not in going)
-                          or (j.run is None and not j.future.done())}
-        now = time.perf_counter()
-        self.away.update((s, now) for s in self.returning)
+        self.handed_at = time.perf_counter()
+        self.away.update((s, self.handed_at) for s in self._travellers(jobs, going))
         for j, r in zip(jobs, results):
             if j.run is not None:
                 j.run.results.put_nowait(r)
