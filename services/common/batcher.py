@@ -17,10 +17,11 @@ session time: waiting costs each plain run the travellers' round trip, not waiti
 traveller a whole forward (it joins the one after). The worker follows the round trip it
 measures (hand-over to the last traveller's return) and starts the next forward at once, before
 it hands over the last one's results, only where the plain runs lose more by waiting:
-round trip x plain runs > forward x travellers. On a CPU, where a forward takes far longer than
-a round trip, travellers are waited for; where the round trip is as long as the forward (a GPU
-under load), many plain runs go on and the travellers' replies travel while the next forward
-runs (docs/engine.md, "Plain runs in the step scheduler").
+round trip x plain runs > forward x travellers. On a CPU a forward lasts several round trips,
+so travellers are waited for unless the runs outnumber them as many times over; where a round
+trip is as long as a forward (a GPU under load), the runs go on as soon as they outnumber the
+travellers, whose replies travel while the next forward runs (docs/engine.md, "Plain runs in
+the step scheduler").
 
 Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
