@@ -317,14 +317,17 @@ class WrongDrafter(Drafter):
 
 # A free drafter on a flat curve: a wrong window of 16 costs what a wrong window of 1 does, so it
 # stops drafting once the estimate says a first token is not worth its forward. A drafter that
-# costs half a step: its first window shrinks at once.
-@pytest.mark.parametrize("t_draft, most_windows", [(0.0, 10), (0.005, 3)])
+# costs half a step: its first window shrinks at once. Cost-aware also times real rounds, so the
+# costly drafter sleeps 20 ms a token: far more than the tiny target's real steps, and than what
+# a loaded CI adds to a plain round (with 5 ms, one stalled plain round made drafting look paying).
+@pytest.mark.parametrize("t_draft, most_windows", [(0.0, 10), (0.02, 3)])
 def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_request(tiny_target, hf_greedy, t_draft,
                                                                                  most_windows):
     """Issue 31's cold start: empty state, a drafter that is nearly always wrong yet sure of itself
     (so the prior believes it). Within the one request cost-aware learns it: after a few windows
     it drafts none (plain steps) or at most one token, and the output is the target alone's."""
-    curve = CostCurve(t_draft, list(range(1, 18)), [0.01 * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
+    step = 2 * t_draft or 0.01  # the curve's one-token forward
+    curve = CostCurve(t_draft, list(range(1, 18)), [step * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
     engine = SpeculativeEngine(tiny_target, WrongDrafter(t_draft), costs=curve)
     out = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=48), SpecParams("cost-aware"))
     assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[1], 48)
