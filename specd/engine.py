@@ -29,14 +29,13 @@ from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.policies import (
     NO_SPECULATION,
-    Decision,
     PolicyResources,
     StoppingPolicy,
     check_drafter,
     check_spec,
     request_policy,
 )
-from specd.round import commit_tokens
+from specd.round import commit_tokens, draft_window
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
@@ -250,47 +249,16 @@ class GenerationRun:
 
     def _draft(self, committed: int) -> tuple[list[int], list, list[DraftStep], DraftStep | None, bool]:
         """Draft one window: (tokens, their q, the policy's steps, a dropped step, hit the cap)."""
-        drafts: list[int] = []
-        qs: list[torch.Tensor | None] = []
-        steps: list[DraftStep] = []
-        dropped = None
         if self.policy is None:
-            return drafts, qs, steps, dropped, False
+            return [], [], [], None, False
         # A round emits k + 1 tokens: never draft past max_new_tokens or the context.
         cap = min(self.policy.params.max_draft_tokens, self.max_len - committed - 1)
-        if cap <= 0:
-            return drafts, qs, steps, dropped, False
-        t0 = time.perf_counter()
-        policy, session, seq = self.policy, self.draft_session, self.seq
-        want_hidden = policy.needs_hidden or self.replay is not None
-        policy.begin_round()
-        if not policy.should_draft():
-            return drafts, qs, steps, dropped, False
-        self.drafter_ran = True
-        hit_cap = False
-        while True:
-            d = session.next(seq, self.sampling, self.generator, want_hidden)
-            if d is None:
-                break
-            step = d.step(len(drafts) + 1, committed - self.prompt_len + len(drafts))
-            decision = policy.decide(step)
-            if decision is Decision.DROP:
-                dropped = step
-                break
-            seq.append(d.token)
-            drafts.append(d.token)
-            qs.append(d.q)
-            steps.append(step)
-            if decision is Decision.STOP:
-                break
-            if len(drafts) >= cap:
-                hit_cap = True
-                break
-        draft_s = time.perf_counter() - t0
-        self.stats.draft_time_s += draft_s
-        if self.costs is not None and (n := len(drafts) + (dropped is not None)):
-            self.costs.observe_draft(draft_s / n)
-        return drafts, qs, steps, dropped, hit_cap
+        want_hidden = self.policy.needs_hidden or self.replay is not None
+        w = draft_window(self.policy, self.draft_session, self.seq, self.sampling, self.generator, cap,
+                         committed - self.prompt_len, want_hidden)
+        self.drafter_ran = w.ran
+        self.stats.draft_time_s += w.seconds
+        return w.tokens, w.qs, w.steps, w.dropped, w.hit_cap
 
     def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list, committed: int) -> Verdict:
         q = torch.stack(qs) if qs and qs[0] is not None else None

@@ -65,11 +65,12 @@ class Job:
 @dataclass(eq=False)
 class PlainRun:
     """A session's decoding steps that follow each other with no round trip (the target's plain
-    runs). After each step's forward the worker asks `next_step` for the next one ((ids, then),
-    or None: the run ends) and queues it at once; each step's (result, BatchInfo), or its error,
+    runs, and its rounds where it drafts itself). After each step's forward the worker asks
+    `next_step` for the next one ((ids, then, logits rows), or None: the run ends) and queues it
+    at once; each step's (result, BatchInfo), or its error,
     goes to `results` in order, and None after the last. `stop()` ends it after the steps
     already started (at most one more result, then None)."""
-    next_step: Callable[[], tuple[list[int], Callable[[torch.Tensor, torch.Tensor | None], object]] | None]
+    next_step: Callable[[], tuple[list[int], Callable[..., object], int] | None]
     results: asyncio.Queue = field(default_factory=asyncio.Queue)
     stopped: bool = False
     error: Exception | None = None  # next_step raised: the run's last result, before None
@@ -204,11 +205,12 @@ class StepBatcher:
         return await job.future
 
     def start_run(self, session: KVSession | PoolSession, ids: list[int], then: Callable[..., object],
-                  run: PlainRun, want_hidden: bool = False, argmax: bool = False) -> None:
-        """Queue a plain run's first step (ids: the session's uncached tokens); its results,
-        and those of the steps run.next_step gives, arrive in run.results (argmax: as submit's,
-        for every step)."""
-        self._enqueue(Job(session, ids, 1, then, None, want_hidden, time.perf_counter(), run=run, argmax=argmax))
+                  run: PlainRun, want_hidden: bool = False, argmax: bool = False, num_logits: int = 1) -> None:
+        """Queue a plain run's first step (ids: the session's uncached tokens, then any drafts;
+        num_logits: the rows its verdict reads); its results, and those of the steps
+        run.next_step gives, arrive in run.results (argmax: as submit's, for every step)."""
+        self._enqueue(Job(session, ids, num_logits, then, None, want_hidden, time.perf_counter(), run=run,
+                          argmax=argmax))
 
     def _enqueue(self, job: Job) -> None:
         if self._worker is None or self._worker.done():
@@ -331,9 +333,9 @@ class StepBatcher:
             except Exception as e:  # noqa: BLE001 - the run's error, after this step's result
                 j.run.error, step = e, None
             if step is not None:
-                ids, then = step
-                self.queue.append(Job(j.session, ids, 1, then, None, j.want_hidden, time.perf_counter(), run=j.run,
-                                      argmax=j.argmax))
+                ids, then, num_logits = step
+                self.queue.append(Job(j.session, ids, num_logits, then, None, j.want_hidden, time.perf_counter(),
+                                      run=j.run, argmax=j.argmax))
                 going.add(id(j.run))
         return going
 

@@ -182,6 +182,13 @@ class TargetSettings(ModelSettings):
                                              "(one GPU each, or CPU processes over gloo), started by the command "
                                              "itself with torchrun; rank 0 serves. Needs a plain Llama model whose "
                                              "heads split evenly and a KV pool")
+    drafter: str = Field("none", pattern="^(none|ngram|retrieval)$",
+                         description="a lookup drafter the target drafts with itself, for coordinators that "
+                                     "ask it to: each round's window is drafted between the target's forwards, "
+                                     "with no round trip to a draft service (none: every draft comes from a "
+                                     "draft service)")
+    datastore: Path | None = Field(None, description="retrieval's datastore (default: the one bundled for the "
+                                                     "target)")
 
 
 class CoordinatorSettings(GrpcServiceSettings):

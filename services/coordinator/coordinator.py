@@ -50,7 +50,7 @@ from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
-from specd.policies import NO_SPECULATION, check_drafter, check_spec
+from specd.policies import NO_SPECULATION, check_drafter, check_spec, policy_class
 from specd.state import StateKey
 from specd.tree import check_branches
 
@@ -88,6 +88,7 @@ class Coordinator:
         self.batch_seconds: list[float] = []  # and its batched cost surface (TargetInfo)
         self.batch_token_seconds: list[float] = []
         self.plain_runs = False  # the target answers a plain run step by step (Verify.steps)
+        self.target_drafter: str | None = None  # the lookup drafter the target drafts with itself
         self.decode_s: float | None = None  # its current decode cost (Verified)
         self.round_overhead = MovingAverage()  # seconds of round trip beyond the forward
         self.draft_breaker = Breaker(cfg.draft_cooldown_s)
@@ -117,6 +118,8 @@ class Coordinator:
         self.verify_seconds = list(info.verify_seconds)
         self.batch_seconds, self.batch_token_seconds = list(info.batch_seconds), list(info.batch_token_seconds)
         self.plain_runs = info.plain_runs
+        self.target_drafter = info.drafter if info.drafter and info.plain_runs else None
+        self.drafter_name = self.drafter_name or self.target_drafter
         self.target_info = info.model
 
     async def _draft_info(self) -> draft_pb2.DraftInfo | SpecdError:
@@ -187,7 +190,9 @@ class Coordinator:
         prompt = await asyncio.to_thread(self._prompt_ids, request)
         cfg = await self._loop_config(request, prompt)
         draft_stub, fallback_reason = None, ""
-        if request.spec.policy != NO_SPECULATION:
+        if self._drafts_on_target(request):
+            cfg = await self._with_target_drafter(cfg)
+        elif request.spec.policy != NO_SPECULATION:
             draft = await self._draft_info()
             if isinstance(draft, SpecdError):
                 fallback_reason = str(draft)
@@ -257,6 +262,19 @@ class Coordinator:
                                    batch_token_seconds=self._scaled(self.batch_token_seconds),
                                    round_overhead_s=self.round_overhead.value,
                                    top_logprobs=draft.top_logprobs, features=draft.needs_features)
+
+    def _drafts_on_target(self, request: GenerateRequest) -> bool:
+        """Whether the request's windows are drafted on the target itself (TargetInfo.drafter): a
+        lookup drafter there needs no round trip to a draft service. Not for what only a draft
+        service does: draft trees, relaxed verification, a policy reading a draft model."""
+        spec = request.spec
+        return (self.target_drafter is not None and spec.policy != NO_SPECULATION and not spec.branches
+                and not spec.relaxed and not policy_class(spec.policy).needs_hidden)
+
+    async def _with_target_drafter(self, cfg: LoopConfig) -> LoopConfig:
+        state = await self._load_state(self._state_key(cfg, self.target_drafter))
+        return dataclasses.replace(cfg, overlap=False, policy_state=state, drafter=self.target_drafter,
+                                   drafts_on_target=True)
 
     def _scaled(self, seconds: list[float]) -> tuple[float, ...]:
         """Start-up costs of the target, scaled by how its decode cost has drifted since."""

@@ -62,6 +62,7 @@ class LoopStats(GenerationStats):
     fallback: bool = False
     fallback_reason: str = ""
     fallback_kind: str = ""  # one of FALLBACK_KINDS when fallback
+    drafted_on_target: bool = False  # the target drafted the windows itself (OpenTarget.speculate)
     overlap: bool = False
     draft_wait_s: float = 0.0  # the loop idle, waiting on the draft alone
     verify_wait_s: float = 0.0  # a verification in flight
@@ -81,7 +82,7 @@ class LoopStats(GenerationStats):
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "fallback": self.fallback, "fallback_reason": self.fallback_reason,
-                "fallback_kind": self.fallback_kind,
+                "fallback_kind": self.fallback_kind, "drafted_on_target": self.drafted_on_target,
                 "overlap": self.overlap, "draft_wait_s": round(self.draft_wait_s, 4),
                 "verify_wait_s": round(self.verify_wait_s, 4), "drafted_total": self.drafted_total,
                 "continuations_kept": self.continuations_kept,
@@ -112,6 +113,7 @@ class LoopConfig:
     top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
     plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
+    drafts_on_target: bool = False  # the target drafts the windows itself, run by run (no draft service)
 
 
 def settled_status(call) -> tuple[grpc.StatusCode, str]:
@@ -133,7 +135,8 @@ class RequestLoop:
         self.target_stub, self.draft_stub = target_stub, draft_stub
         self.seq = list(cfg.prompt)
         self.stats = LoopStats(cfg.spec.policy, cfg.drafter, prompt_tokens=len(cfg.prompt),
-                               lossy=cfg.spec.relaxed, overlap=cfg.overlap)
+                               lossy=cfg.spec.relaxed, overlap=cfg.overlap,
+                               drafted_on_target=cfg.drafts_on_target)
         self.events: asyncio.Queue = asyncio.Queue()
         self.drafts: dict[int, draft_pb2.DraftToken] = {}  # position -> token, ahead of self.seq
         self.window_ends: list[draft_pb2.WindowEnd] = []
@@ -229,13 +232,20 @@ class RequestLoop:
     # -- streams ----------------------------------------------------------------------------
     async def _open(self) -> None:
         cfg = self.cfg
+        spec = cfg.spec
         self._watch_target(self.target_stub.Session(timeout=cfg.timeout_s))
-        await self._write_target(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
-            prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), features=cfg.features)))
+        open_msg = target_pb2.OpenTarget(prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling),
+                                         features=cfg.features)
+        if cfg.drafts_on_target:
+            open_msg.speculate.CopyFrom(target_pb2.LocalDrafting(
+                policy=spec.policy, policy_params=spec.policy_params, policy_state=cfg.policy_state,
+                max_length=cfg.max_length))
+            if spec.max_draft_tokens is not None:
+                open_msg.speculate.max_draft_tokens = spec.max_draft_tokens
+        await self._write_target(target_pb2.TargetRequest(open=open_msg))
         self.tasks.append(asyncio.create_task(self._pump("target", self.target_call)))
         if self.draft_stub is None:
             return
-        spec = cfg.spec
         open_msg = draft_pb2.OpenDraft(
             prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), policy=spec.policy,
             policy_params=spec.policy_params, policy_state=cfg.policy_state, max_length=cfg.max_length,
@@ -324,10 +334,19 @@ class RequestLoop:
     async def _close_target(self) -> None:
         """Close, then wait for the service to end the call: cancelling a finished session
         would count every request as a cancelled call on the target's gRPC series. No
-        verification is outstanding at a normal finish, so this is one round trip."""
+        verification is outstanding at a normal finish, so this is one round trip. A session
+        that drafted on the target ends with its policy's state (TargetClosed)."""
         try:
             await self.target_call.write(target_pb2.TargetRequest(close=target_pb2.CloseTarget()))
             await self.target_call.done_writing()
+            while self.cfg.drafts_on_target:  # the replies of a stopped run come before it
+                source, msg = await asyncio.wait_for(self.events.get(), 5.0)
+                if source == "target" and msg.WhichOneof("kind") == "closed":
+                    self.policy_state = dict(msg.closed.policy_state)
+                    self.stats.drafted_total = msg.closed.num_drafted
+                    break
+                if source == "target_error":
+                    break
             await asyncio.wait_for(self.target_call.code(), 5.0)
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             log.warning("target session did not close cleanly: %s", e)
@@ -448,13 +467,14 @@ class RequestLoop:
         if msg.WhichOneof("kind") != "verified":
             raise Unavailable("target service ended the session")
         v = msg.verified
-        n, k = v.num_accepted, len(chunk)
+        n, k = v.num_accepted, len(chunk) + v.drafted  # drafted: the target's own window
         if not v.prefill_seconds and self.sent_at:  # the first reply also waited for the prompt's prefill
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
         self.sent_at = 0.0  # a plain run's later steps were not asked for one by one
         side = len(self.side[0])
-        accepted = list(v.accepted_tokens) if side else [t.token for t in chunk[:n]]  # a tree's path
+        # a tree's path, or the target's own drafts
+        accepted = list(v.accepted_tokens) if side or v.drafted else [t.token for t in chunk[:n]]
         tokens = accepted + [v.next_token]
         self._record(k, n, v, [t.entropy for t in chunk], side)
         start = len(self.seq)

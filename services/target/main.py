@@ -23,8 +23,13 @@ log = logging.getLogger(__name__)
 def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None) -> TargetServicer:
     """Load the model and measure it; run on the compute thread (services.common.compute)."""
     target = load_target(s)
+    drafter = None
+    if s.drafter != "none":
+        from specd.drafters import build_drafter
+
+        drafter = build_drafter(s.drafter, target, datastore=s.datastore)
     return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
-                          executor=executor, latency_budget=s.latency_budget)
+                          executor=executor, latency_budget=s.latency_budget, drafter=drafter)
 
 
 def load_target(s: TargetSettings):

@@ -26,9 +26,11 @@ from services.common.convert import (
 )
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
+from services.target.drafting import LocalDrafting, local_cost_curve
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
-from specd.costs import MovingAverage, measure_t_target, synthetic_prefix
+from specd.costs import MovingAverage, measure_t_draft, measure_t_target, synthetic_prefix
+from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
 
@@ -41,12 +43,16 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
                  prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None,
-                 latency_budget: float = 0.0):
+                 latency_budget: float = 0.0, drafter: Drafter | None = None):
         """executor: the compute thread (services.common.compute), one model, one thread.
         latency_budget: refuse new sessions while the open ones see more than this many one-token
         forwards per token, or beyond the sessions the cost surface allows within it (0: neither;
-        the KV pool's slots still limit sessions)."""
+        the KV pool's slots still limit sessions).
+        drafter: a lookup drafter (ngram, retrieval) sessions may draft with here (OpenTarget.speculate)."""
         self.target = target
+        self.drafter = drafter
+        # Seconds per drafted token, for cost-aware policies drafting here.
+        self.t_draft = measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3) if drafter else 0.0
         self.prefill_chunk = prefill_chunk
         self.executor = executor or compute_thread("target")
         self.sessions: set[TargetSession] = set()
@@ -92,7 +98,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size,
                                      verify_seconds=self.verify_seconds, batch_seconds=self.batch_seconds,
-                                     batch_token_seconds=self.batch_token_seconds, plain_runs=True)
+                                     batch_token_seconds=self.batch_token_seconds, plain_runs=True,
+                                     drafter=self.drafter.name if self.drafter else "",
+                                     drafter_kind=self.drafter.kind if self.drafter else "")
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
         if self.target.tokenizer is None:
@@ -115,9 +123,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_refused()
             raise
         self.sessions.add(session)
+        local: LocalDrafting | None = None  # the session drafts here
         after_run: asyncio.Future | None = None  # the client's next message, read during a plain run
         run: PlainRun | None = None
         try:
+            local = self._local_drafting(first.open, session)
             t0 = time.perf_counter()
             more = True
             while more:  # other sessions' forwards run between the chunks
@@ -133,8 +143,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     break
                 if kind != "verify":
                     raise InvalidRequest(kind or "kind", "expected verify or close after open")
-                steps = plain_steps(msg.verify)
-                if steps == 1:
+                steps = plain_steps(msg.verify, local is not None)
+                if steps == 1 and local is None:
                     reply = await self._verify(session, msg.verify)
                     reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
                     yield reply
@@ -142,13 +152,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 # A plain run: the batcher queues each next step itself (PlainRun), so the next
                 # forward runs while this step's reply travels. A client that speaks meanwhile
                 # (its Close after a stop string, say) stops it after the steps already started,
-                # which it still gets; one that only stopped writing gets the whole run.
-                run = self._plain_run(session, msg.verify, steps)
+                # which it still gets; one that only stopped writing gets the whole run. A session
+                # that drafts here runs its rounds the same way, each drafting its window first.
+                run = self._plain_run(session, msg.verify, steps, local)
                 done = 0
                 while (item := await run.results.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
-                    reply = self._reply(session, msg.verify, *item)
+                    reply = self._reply(session, msg.verify, *item, local=local)
                     reply.verified.prefill_seconds, prefill_s = prefill_s, 0.0
                     done += 1
                     yield reply
@@ -156,7 +167,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     if after_run.done() and after_run.result() is not None:
                         run.stop()
                 self.metrics.observe_plain_run(done)
-            yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
+            closed = local.closed() if local is not None else target_pb2.TargetClosed()
+            yield target_pb2.TargetResponse(closed=closed)
         finally:
             if run is not None:  # no further step once the client is gone
                 run.stop()
@@ -164,6 +176,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 after_run.exception()  # read, so that a failed read is not logged as never retrieved
             # Queued behind any forward still running, so the cache is not freed under it; not
             # awaited, because a cancelled call would interrupt the await and skip the rest.
+            if local is not None:
+                local.close()
             released = self.executor.submit(session.close)
             self.releasing.add(released)
             released.add_done_callback(self.releasing.discard)
@@ -224,35 +238,77 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
             if tree is not None:
                 verdict, accepted = session.judge_tree(logits, tree, q)
-                return verdict, None, None, accepted
+                return verdict, None, None, accepted, 0
             verdict, top, feats = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
                                                 msg.top_logprobs, start, best)
-            return verdict, top, features_to_proto(*feats) if feats else None, []
+            return verdict, top, features_to_proto(*feats) if feats else None, [], 0
 
         return ids, len(tree) + 1 if tree is not None else len(drafts) + 1, judge, tree
 
-    def _plain_run(self, session: TargetSession, msg: target_pb2.Verify, steps: int) -> PlainRun:
-        """Start `steps` plain decoding steps; each goes on unless the last ended the text (an
-        end-of-sequence token) or filled the context."""
+    def _own_window(self, session: TargetSession, local: LocalDrafting):
+        """A round of a session that drafts here: (ids to feed, judge, logits rows), its window
+        drafted now, after the committed sequence."""
+        drafts = local.draft(session.seq)
+        ids, start = session.window(drafts), session.kv.length
+
+        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):
+            committed = len(session.seq)
+            verdict, _, _ = session.judge(logits, hidden, drafts, None, None, False, 0, start, best)
+            local.judged(committed, verdict)
+            return verdict, None, None, drafts[:verdict.num_accepted], len(drafts)
+
+        return ids, judge, len(drafts) + 1
+
+    def _local_drafting(self, open_msg: target_pb2.OpenTarget, session: TargetSession) -> LocalDrafting | None:
+        """The session's own drafting, where its Open asks for it (OpenTarget.speculate)."""
+        if not open_msg.HasField("speculate"):
+            return None
+        if self.drafter is None:
+            raise InvalidRequest("speculate", "this target service drafts nothing itself (start it with --drafter)")
+        if open_msg.features:
+            raise InvalidRequest("speculate", "a session that returns features drafts with a draft service")
+
+        def costs():
+            return local_cost_curve(self.t_draft, self.verify_seconds, self.batch_seconds, self.batch_token_seconds,
+                                    self.batcher.decode_cost.value)
+
+        return LocalDrafting(self.drafter, open_msg.speculate, session.sampling, len(session.seq),
+                             self.target.vocab_size, costs)
+
+    def _plain_run(self, session: TargetSession, msg: target_pb2.Verify, steps: int,
+                   local: LocalDrafting | None = None) -> PlainRun:
+        """Start `steps` plain decoding steps (with local drafting: rounds); each goes on unless
+        the last ended the text (an end-of-sequence token) or filled the context (or the
+        length the session drafts to)."""
         left = steps
+        end = min(local.max_length, self.target.max_context) if local is not None else self.target.max_context
+
+        def step():
+            if local is not None:
+                return self._own_window(session, local)
+            ids, rows, judge, _ = self._window(session, msg)
+            return ids, judge, rows
 
         def next_step():
             nonlocal left
             left -= 1
-            if not left or session.seq[-1] in self.target.eos_token_ids or len(session.seq) >= self.target.max_context:
+            if not left or session.seq[-1] in self.target.eos_token_ids or len(session.seq) >= end:
                 return None
-            ids, _, judge, _ = self._window(session, msg)
-            return ids, judge
+            return step()
 
-        ids, _, judge, _ = self._window(session, msg)
+        ids, judge, rows = step()
         run = PlainRun(next_step)
-        self.batcher.start_run(session.kv, ids, judge, run, session.features, session.reads_argmax(msg.relaxed))
+        self.batcher.start_run(session.kv, ids, judge, run, session.features, session.reads_argmax(msg.relaxed),
+                               rows)
         return run
 
-    def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch) -> target_pb2.TargetResponse:
+    def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch,
+               local: LocalDrafting | None = None) -> target_pb2.TargetResponse:
         """The Verified message of one forward's verdict, observed in the metrics."""
-        verdict, top, feats, accepted = judged
-        self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens), batch.forward_seconds)
+        verdict, top, feats, accepted, drafted = judged
+        self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens) + drafted, batch.forward_seconds)
+        if local is not None:  # the load its next window is priced in
+            local.load = max(batch.batch_size - 1, 0), max(batch.batch_tokens - drafted - 1, 0)
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
             self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
@@ -263,7 +319,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
-            decode_seconds_per_token=self.batcher.decode_cost.value))
+            decode_seconds_per_token=self.batcher.decode_cost.value, drafted=drafted))
 
     def _distributions(self, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""
@@ -278,8 +334,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest("distributions", str(e)) from None
 
 
-def plain_steps(msg: target_pb2.Verify) -> int:
-    """The decoding steps a Verify asks for: a plain run's length (Verify.steps) or one."""
+def plain_steps(msg: target_pb2.Verify, drafts_here: bool = False) -> int:
+    """The decoding steps a Verify asks for: a plain run's length (Verify.steps) or one
+    (drafts_here: rounds of a session that drafts on the target, which brings no drafts)."""
+    if drafts_here and (msg.tokens or msg.side_tokens):
+        raise InvalidRequest("tokens", "a session that drafts on the target verifies only its own drafts")
     if msg.steps > 1 and (msg.tokens or msg.side_tokens):
         raise InvalidRequest("steps", "a plain run (steps > 1) verifies no draft tokens")
     if msg.steps > MAX_PLAIN_STEPS:

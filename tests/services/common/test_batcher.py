@@ -278,7 +278,7 @@ def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tupl
                     left -= 1
                     if not left:
                         return None
-                return [7], then
+                return [7], then, 1
 
             run = PlainRun(next_step, _Recorded(events))
             batcher.start_run(a, [7], then, run)
@@ -347,7 +347,7 @@ def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: floa
 
     async def main():
         async with _batcher(pooled, gather, seen.append) as (batcher, a, b):
-            run = PlainRun(lambda: ([7], then))
+            run = PlainRun(lambda: ([7], then, 1))
             batcher.start_run(a, [7], then, run)
 
             async def drain():

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "max_batch_size", "verify_seconds", "batch_seconds", "batch_token_seconds", "plain_runs")
+    __slots__ = ("model", "max_batch_size", "verify_seconds", "batch_seconds", "batch_token_seconds", "plain_runs", "drafter", "drafter_kind")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_batch_size: int
     verify_seconds: _containers.RepeatedScalarFieldContainer[float]
     batch_seconds: _containers.RepeatedScalarFieldContainer[float]
     batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
     plain_runs: bool
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., plain_runs: _Optional[bool] = ...) -> None: ...
+    drafter: str
+    drafter_kind: str
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., plain_runs: _Optional[bool] = ..., drafter: _Optional[str] = ..., drafter_kind: _Optional[str] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
@@ -47,14 +51,44 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenTarget, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[CloseTarget, _Mapping]] = ...) -> None: ...
 
 class OpenTarget(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "features")
+    __slots__ = ("prompt_ids", "sampling", "features", "speculate")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     features: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ...) -> None: ...
+    speculate: LocalDrafting
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ..., speculate: _Optional[_Union[LocalDrafting, _Mapping]] = ...) -> None: ...
+
+class LocalDrafting(_message.Message):
+    __slots__ = ("policy", "policy_params", "max_draft_tokens", "policy_state", "max_length")
+    class PolicyParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PolicyStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    policy_params: _containers.ScalarMap[str, float]
+    max_draft_tokens: int
+    policy_state: _containers.ScalarMap[str, float]
+    max_length: int
+    def __init__(self, policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("verify_id", "tokens", "probs", "distributions", "relaxed_threshold", "relaxed", "top_logprobs", "side_tokens", "side_parents", "steps")
@@ -93,7 +127,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens", "accepted_tokens")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens", "accepted_tokens", "drafted")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +141,7 @@ class Verified(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -120,8 +155,22 @@ class Verified(_message.Message):
     features: _common_pb2.Features
     batch_tokens: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafted: int
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("policy_state", "num_drafted", "draft_seconds")
+    class PolicyStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_state: _containers.ScalarMap[str, float]
+    num_drafted: int
+    draft_seconds: float
+    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...

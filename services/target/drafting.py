@@ -1,0 +1,102 @@
+"""A target session's own drafting (OpenTarget.speculate): a lookup drafter (ngram, retrieval)
+drafts each window on the target, between its forwards, under the request's stopping policy,
+so that a round needs no round trip to a draft service (docs/services.md, "Drafting on the
+target"). A window is drafted by specd.round.draft_window, as in the in-process engine.
+
+Everything here runs on the service's event loop, between forwards: the verdict of a window
+(judged on the compute thread) is kept by `judged` and observed by the policy before the next
+window is drafted."""
+
+from __future__ import annotations
+
+import time
+
+from services.proto.specd.target.v1 import target_pb2
+from specd.costs import CostCurve
+from specd.drafters.base import Drafter
+from specd.errors import InvalidRequest
+from specd.policies import NO_SPECULATION, PolicyResources, check_spec, policy_class, request_policy
+from specd.round import DraftedWindow, draft_window
+from specd.sampling import request_generator
+from specd.types import SamplingParams, SpecParams
+from specd.verify import Verdict
+
+
+class LocalDrafting:
+    def __init__(self, drafter: Drafter, msg: target_pb2.LocalDrafting, sampling: SamplingParams, prompt_len: int,
+                 vocab_size: int, costs):
+        """costs(): the cost curve, asked only by a policy that weighs costs (cost-aware)."""
+        spec = SpecParams(msg.policy, msg.max_draft_tokens if msg.HasField("max_draft_tokens") else None,
+                          dict(msg.policy_params))
+        if spec.policy == NO_SPECULATION:
+            raise InvalidRequest("speculate.policy", "drafting needs a stopping policy; 'none' is the target alone")
+        check_spec(spec, sampling)
+        if policy_class(spec.policy).needs_hidden:
+            raise InvalidRequest("speculate.policy", f"{spec.policy} reads a draft model's hidden state; "
+                                                     f"the target drafts with {drafter.name}, which has none")
+        if msg.max_length <= prompt_len:
+            raise InvalidRequest("speculate.max_length", f"must exceed the prompt's {prompt_len} tokens")
+        self.policy = request_policy(spec, dict(msg.policy_state), PolicyResources(None, None), costs)
+        self.session = drafter.open(vocab_size)
+        self.sampling, self.generator = sampling, request_generator(sampling)
+        self.prompt_len, self.max_length = prompt_len, msg.max_length
+        self.window = DraftedWindow()
+        self.verdict: tuple[int, Verdict] | None = None  # (committed before it, the window's verdict), unobserved
+        self.load: tuple[int, int] | None = None  # the last forward's other sessions and their tokens
+        self.round_started: float | None = None
+        self.emitted = 0  # tokens the last round emitted
+        self.num_drafted = 0
+        self.draft_seconds = 0.0
+
+    def draft(self, seq: list[int]) -> list[int]:
+        """Start a round: the window after the committed tokens seq (seq itself is kept)."""
+        self.settle()
+        now = time.perf_counter()
+        if self.round_started is not None:  # the last round, from its drafting to this one's
+            self.policy.observe_pace(self.emitted, now - self.round_started, self.window.ran)
+        self.round_started = now
+        cap = min(self.policy.params.max_draft_tokens, self.max_length - len(seq) - 1)
+        self.window = draft_window(self.policy, self.session, list(seq), self.sampling, self.generator, cap,
+                                   len(seq) - self.prompt_len)
+        self.num_drafted += len(self.window.tokens)
+        self.draft_seconds += self.window.seconds
+        return self.window.tokens
+
+    def judged(self, committed: int, verdict: Verdict) -> None:
+        """The window's verdict (on the compute thread, right after its forward): observed at the
+        next settle, on the event loop."""
+        self.verdict = committed, verdict
+
+    def settle(self) -> None:
+        """Tell the policy how the last window fared, and the load it was verified under."""
+        if self.load is not None and self.policy.resources.costs is not None:
+            self.policy.resources.costs.observe_load(*self.load)
+            self.load = None
+        if self.verdict is None:
+            return
+        committed, verdict = self.verdict
+        self.verdict = None
+        outcome = self.window.outcome(verdict.num_strict, verdict.next_token)
+        if outcome is not None:
+            self.policy.observe(outcome)
+        self.session.rollback(committed + verdict.num_accepted)
+        self.emitted = verdict.num_accepted + 1
+
+    def closed(self) -> target_pb2.TargetClosed:
+        """What the session ends with: the policy's state to save, what it drafted."""
+        self.settle()
+        return target_pb2.TargetClosed(policy_state=self.policy.state(), num_drafted=self.num_drafted,
+                                       draft_seconds=self.draft_seconds)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def local_cost_curve(t_draft: float, verify_seconds: list[float], batch_seconds: list[float],
+                     batch_token_seconds: list[float], decode_s: float) -> CostCurve:
+    """The cost curve a policy drafting on the target weighs: the start-up curve and batched
+    surface scaled to the current decode cost, and no round trip beyond the forward."""
+    scale = decode_s / verify_seconds[0] if decode_s > 0 and verify_seconds[0] > 0 else 1.0
+    return CostCurve(t_draft, list(range(1, len(verify_seconds) + 1)), [t * scale for t in verify_seconds],
+                     batch_seconds=[t * scale for t in batch_seconds],
+                     batch_token_seconds=[t * scale for t in batch_token_seconds])
