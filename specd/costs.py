@@ -27,6 +27,12 @@ and tokens shared the forward (`observe_load`). A window of k drafts then takes
 and yields its expected tokens plus the other sessions' plain steps (B_o tokens), so the rate a
 policy weighs is (E_k + B_o) / loaded_time(k): drafting pays only while the drafted tokens buy
 more than they slow everyone's forward. With no one else in the batch it is E_k / round_time(k).
+
+The start-up surface times one session's window beside plain steps; a forward of many short
+windows costs more per token than that (on a CPU, each row of every window is a row of every
+product). Where the target drafts itself it sees every forward it runs, and `LoadFit` follows
+what they really cost: T ~ a * batch_seconds[B] + b * (N - B) * batch_token_seconds[B], (a, b)
+fitted online (docs/engine.md, "Drafting on the target").
 """
 
 from __future__ import annotations
@@ -90,7 +96,9 @@ class CostCurve:
     batch_seconds: list[float] = field(default_factory=list)  # [B-1]: a forward of B sessions x 1 token
     batch_token_seconds: list[float] = field(default_factory=list)  # [B-1]: each further token in it
     others: tuple[float, float] = (0.0, 0.0)  # other sessions and their tokens in the target's forwards
+    others_yield: float | None = None  # the tokens those sessions emit per forward (None: one each)
     load_smoothing: float = 0.5  # weight of one verification's load in `others`
+    fit: LoadFit | None = None  # what the target's forwards really cost against the surface, where known
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _monotone: np.ndarray | None = field(default=None, init=False, repr=False)
 
@@ -135,26 +143,29 @@ class CostCurve:
         if not self.loaded():
             return self.round_time(draft_len)
         sessions, tokens = self.others
-        b = 1.0 + sessions
-        base = np.interp(b, np.arange(1, len(self.batch_seconds) + 1), self.batch_seconds)
-        per_token = np.interp(b, np.arange(1, len(self.batch_token_seconds) + 1), self.batch_token_seconds)
-        if b > len(self.batch_seconds):  # more sessions than measured: each costs like the last step
-            steps = self.batch_seconds
-            base = steps[-1] + (b - len(steps)) * (steps[-1] - steps[-2] if len(steps) > 1 else steps[-1])
+        base, per_token = surface_at(self.batch_seconds, self.batch_token_seconds, 1.0 + sessions)
         extra = max(tokens - sessions, 0.0) + draft_len  # tokens beyond one per session
-        return draft_len * self.t_draft + self.scale * float(base + extra * per_token) + self.overhead
+        a, b = (self.fit.a, self.fit.b) if self.fit is not None else (1.0, 1.0)
+        return draft_len * self.t_draft + self.scale * (a * base + b * extra * per_token) + self.overhead
 
     def loaded_rate(self, expected: float, draft_len: int, spent: float = 0.0) -> float:
         """Tokens per second of a round whose window of draft_len drafts yields `expected`
-        tokens (and that spent `spent` more seconds), counting the other sessions' plain steps
-        in the same forward."""
-        return (expected + (self.others[0] if self.loaded() else 0.0)) / (self.loaded_time(draft_len) + spent)
+        tokens (and that spent `spent` more seconds), counting what the other sessions in the same
+        forward emit: one token each where that is all that is known (their plain steps), else
+        what they were seen to emit (their accepted drafts too: a slower forward delays those as
+        well)."""
+        others = (self.others[0] if self.others_yield is None else self.others_yield) if self.loaded() else 0.0
+        return (expected + others) / (self.loaded_time(draft_len) + spent)
 
-    def observe_load(self, other_sessions: int, other_tokens: int) -> None:
-        """The forward that verified the last window carried this many other sessions and tokens."""
+    def observe_load(self, other_sessions: int, other_tokens: int, other_yield: int | None = None) -> None:
+        """The forward that verified the last window carried this many other sessions and tokens
+        (and they emitted other_yield tokens, where known)."""
         a = self.load_smoothing
         s, t = self.others
         self.others = (s + a * (other_sessions - s), t + a * (other_tokens - t))
+        if other_yield is not None:
+            y = other_sessions if self.others_yield is None else self.others_yield
+            self.others_yield = y + a * (other_yield - y)
 
     # -- refreshed while serving ------------------------------------------------------------
     def observe_target(self, n_tokens: int, seconds: float) -> None:
@@ -179,6 +190,56 @@ class CostCurve:
         return cls(float(d["t_draft_s"]), [int(k) for k in d["k"]], [float(t) for t in d["t_target_s"]],
                    float(d.get("overhead_s", 0.0)), batch_seconds=[float(t) for t in d.get("batch_s", [])],
                    batch_token_seconds=[float(t) for t in d.get("batch_token_s", [])])
+
+
+def surface_at(batch_seconds: Sequence[float], batch_token_seconds: Sequence[float],
+               sessions: float) -> tuple[float, float]:
+    """A forward of `sessions` sessions on a batched cost surface: (its seconds at one token
+    each, the seconds of each further token), interpolated between the measured sessions and
+    extrapolated past them (each further session costs like the last measured step)."""
+    base = float(np.interp(sessions, np.arange(1, len(batch_seconds) + 1), batch_seconds))
+    per_token = float(np.interp(sessions, np.arange(1, len(batch_token_seconds) + 1), batch_token_seconds))
+    if sessions > len(batch_seconds):
+        steps = batch_seconds
+        base = steps[-1] + (sessions - len(steps)) * (steps[-1] - steps[-2] if len(steps) > 1 else steps[-1])
+    return base, per_token
+
+
+@dataclass
+class LoadFit:
+    """What a target's batched forwards cost, against its start-up surface: a forward of B
+    sessions and N new tokens takes a * base(B) + b * (N - B) * per_token(B) seconds
+    (surface_at). (a, b) is the least-squares fit of the forwards observed, on relative errors,
+    each older forward weighing `forget` times less, and pulled towards (1, 1) by a ridge of
+    `prior` (squared shares of a forward: a few forwards' worth, so the fit starts at the surface
+    and b stays there while no forward has had further tokens); both stay within [0.2, 10]."""
+
+    batch_seconds: list[float]
+    batch_token_seconds: list[float]
+    forget: float = 0.98
+    prior: float = 0.1
+    a: float = 1.0
+    b: float = 1.0
+    forwards: int = 0
+    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5), repr=False)  # uu, uv, vv, uz, vz
+
+    def observe(self, sessions: int, tokens: int, seconds: float) -> None:
+        """One forward of `sessions` sessions over `tokens` new tokens took `seconds`."""
+        if not self.batch_seconds or sessions < 1 or seconds <= 0:
+            return
+        base, per_token = surface_at(self.batch_seconds, self.batch_token_seconds, sessions)
+        x1, x2 = base, per_token * max(tokens - sessions, 0)
+        p = x1 + x2
+        if p <= 0:
+            return
+        u, v, z = x1 / p, x2 / p, seconds / p
+        self._sums = self.forget * self._sums + np.array([u * u, u * v, v * v, u * z, v * z])
+        uu, uv, vv, uz, vz = self._sums
+        lam = self.prior
+        det = (uu + lam) * (vv + lam) - uv * uv
+        self.a = min(max(((uz + lam) * (vv + lam) - uv * (vz + lam)) / det, 0.2), 10.0)
+        self.b = min(max(((vz + lam) * (uu + lam) - uv * (uz + lam)) / det, 0.2), 10.0)
+        self.forwards += 1
 
 
 def median_time(fn: Callable[[], None], repeats: int) -> float:

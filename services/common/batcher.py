@@ -94,6 +94,7 @@ class BatchInfo:
     forward_seconds: float
     batch_size: int
     batch_tokens: int = 0  # new tokens of every session in the forward
+    emitted: int = 0  # tokens its verdicts emitted, where the batcher counts them (StepBatcher.emitted_of)
 
 
 def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]], num_logits: list[int],
@@ -189,6 +190,8 @@ class StepBatcher:
         self.away: dict = {}  # travelling session -> when its result was handed over
         self.handed_at = 0.0  # the last hand-over's
         self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
+        self.on_forward: Callable[[BatchInfo], None] | None = None  # told each forward's cost, after it
+        self.emitted_of: Callable[[object], int] | None = None  # the tokens one job's result emitted
         self._worker: asyncio.Task | None = None
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
@@ -301,6 +304,9 @@ class StepBatcher:
                 results = [e] * len(jobs)
             finally:
                 self.last_forward_s = time.perf_counter() - t0
+            info = next((r[1] for r in results if not isinstance(r, BaseException)), None)
+            if info is not None and self.on_forward is not None:
+                self.on_forward(info)
             going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
             at_once = self._at_once(len(going), len(self._travellers(jobs, going)))
@@ -364,7 +370,8 @@ class StepBatcher:
         # Timed to the verdicts: a GPU forward returns before it has run, and they wait for it.
         best = iter(read_argmax([lg for j, (lg, _) in zip(jobs, out) if j.argmax]))
         judged = [self._judge(j, lg, h, next(best) if j.argmax else None) for j, (lg, h) in zip(jobs, out)]
-        info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs))
+        emitted = sum(self.emitted_of(r) for r in judged if not isinstance(r, Exception)) if self.emitted_of else 0
+        info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs), emitted)
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
             self.decode_cost.observe(info.forward_seconds)
         return [r if isinstance(r, Exception) else (r, info) for r in judged]

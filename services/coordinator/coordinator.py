@@ -50,7 +50,7 @@ from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
-from specd.policies import NO_SPECULATION, check_drafter, check_spec, policy_class
+from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
 from specd.state import StateKey
 from specd.tree import check_branches
 
@@ -161,7 +161,8 @@ class Coordinator:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self.metrics.metered(self._generate(request), request, self.model_card().id, self.drafter_name)
+        drafter = self.target_drafter if self._drafts_on_target(request) else self.drafter_name
+        return self.metrics.metered(self._generate(request), request, self.model_card().id, drafter)
 
     def on_close(self, callback) -> None:
         """Call callback() when the coordinator closes (e.g. cancel a health watcher)."""
@@ -268,8 +269,9 @@ class Coordinator:
         lookup drafter there needs no round trip to a draft service. Not for what only a draft
         service does: draft trees, relaxed verification, a policy reading a draft model."""
         spec = request.spec
-        return (self.target_drafter is not None and spec.policy != NO_SPECULATION and not spec.branches
-                and not spec.relaxed and not policy_class(spec.policy).needs_hidden)
+        policy = POLICIES.get(spec.policy)  # an unknown one is refused naming it, in _generate
+        return (self.target_drafter is not None and policy is not None and not spec.branches and not spec.relaxed
+                and not policy.needs_hidden)
 
     async def _with_target_drafter(self, cfg: LoopConfig) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, self.target_drafter))

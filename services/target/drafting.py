@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from services.proto.specd.target.v1 import target_pb2
-from specd.costs import CostCurve
+from specd.costs import CostCurve, LoadFit
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, PolicyResources, check_spec, policy_class, request_policy
@@ -42,7 +42,7 @@ class LocalDrafting:
         self.prompt_len, self.max_length = prompt_len, msg.max_length
         self.window = DraftedWindow()
         self.verdict: tuple[int, Verdict] | None = None  # (committed before it, the window's verdict), unobserved
-        self.load: tuple[int, int] | None = None  # the last forward's other sessions and their tokens
+        self.load: tuple[int, int, int] | None = None  # the last forward's other sessions, their tokens, what they emitted
         self.round_started: float | None = None
         self.emitted = 0  # tokens the last round emitted
         self.num_drafted = 0
@@ -92,11 +92,10 @@ class LocalDrafting:
         self.session.close()
 
 
-def local_cost_curve(t_draft: float, verify_seconds: list[float], batch_seconds: list[float],
-                     batch_token_seconds: list[float], decode_s: float) -> CostCurve:
-    """The cost curve a policy drafting on the target weighs: the start-up curve and batched
-    surface scaled to the current decode cost, and no round trip beyond the forward."""
+def local_cost_curve(t_draft: float, verify_seconds: list[float], decode_s: float, fit: LoadFit) -> CostCurve:
+    """The cost curve a policy drafting on the target weighs: the start-up curve scaled to the
+    current decode cost, the batched surface as the target's forwards fit it (LoadFit), and no
+    round trip beyond the forward."""
     scale = decode_s / verify_seconds[0] if decode_s > 0 and verify_seconds[0] > 0 else 1.0
     return CostCurve(t_draft, list(range(1, len(verify_seconds) + 1)), [t * scale for t in verify_seconds],
-                     batch_seconds=[t * scale for t in batch_seconds],
-                     batch_token_seconds=[t * scale for t in batch_token_seconds])
+                     batch_seconds=fit.batch_seconds, batch_token_seconds=fit.batch_token_seconds, fit=fit)

@@ -15,7 +15,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.batcher import PlainRun, StepBatcher, measure_batch_surface
+from services.common.batcher import BatchInfo, PlainRun, StepBatcher, measure_batch_surface
 from services.common.compute import compute_thread
 from services.common.convert import (
     distribution_from_proto,
@@ -29,7 +29,7 @@ from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.drafting import LocalDrafting, local_cost_curve
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
-from specd.costs import MovingAverage, measure_t_draft, measure_t_target, synthetic_prefix
+from specd.costs import LoadFit, MovingAverage, measure_t_draft, measure_t_target, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.models.loading import LoadedModel
@@ -70,6 +70,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher.decode_cost.observe(self.verify_seconds[0])
         # What a forward of B sessions costs, for policies that price a window in the batch it joins.
         self.batch_seconds, self.batch_token_seconds = measure_batch_surface(target, max_batch_size)
+        # What its forwards really cost against that surface, for the sessions that draft here.
+        self.load_fit = LoadFit(self.batch_seconds, self.batch_token_seconds)
+        self.batcher.on_forward = self._on_forward
+        self.batcher.emitted_of = lambda judged: judged[0].num_accepted + 1
         # Admission by latency: at most the sessions the surface allows, and none while the time
         # per token the open sessions see is over budget (both against a one-token forward alone).
         self.latency_budget = latency_budget
@@ -83,6 +87,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def _on_forward(self, info: BatchInfo) -> None:
+        self.load_fit.observe(info.batch_size, info.batch_tokens, info.forward_seconds)
 
     def _kv_slots(self) -> tuple[int, int]:
         pool = self.target.pool
@@ -269,8 +276,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest("speculate", "a session that returns features drafts with a draft service")
 
         def costs():
-            return local_cost_curve(self.t_draft, self.verify_seconds, self.batch_seconds, self.batch_token_seconds,
-                                    self.batcher.decode_cost.value)
+            return local_cost_curve(self.t_draft, self.verify_seconds, self.batcher.decode_cost.value, self.load_fit)
 
         return LocalDrafting(self.drafter, open_msg.speculate, session.sampling, len(session.seq),
                              self.target.vocab_size, costs)
@@ -308,7 +314,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         verdict, top, feats, accepted, drafted = judged
         self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens) + drafted, batch.forward_seconds)
         if local is not None:  # the load its next window is priced in
-            local.load = max(batch.batch_size - 1, 0), max(batch.batch_tokens - drafted - 1, 0)
+            local.load = (max(batch.batch_size - 1, 0), max(batch.batch_tokens - drafted - 1, 0),
+                          max(batch.emitted - verdict.num_accepted - 1, 0))
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
             self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specd import costs
-from specd.costs import SMOOTHING, CostCurve, MovingAverage, cached_cost_curve, curve_key, smoothed
+from specd.costs import SMOOTHING, CostCurve, LoadFit, MovingAverage, cached_cost_curve, curve_key, smoothed
 from specd.drafters import NgramDrafter
 
 
@@ -133,3 +133,48 @@ def test_a_forward_is_timed_until_its_result_exists():
     (it did not once copies to the GPU stopped waiting for the device)."""
     _, ts, _ = costs.measure_t_target(_DeferredTarget(), [5, 6, 7], ks=(1, 3), repeats=3)
     assert min(ts) >= _DeferredTarget.seconds
+
+
+SURFACE = ([0.03, 0.032, 0.034, 0.036], [0.002, 0.0021, 0.0022, 0.0023])  # 1..4 sessions
+
+
+def test_the_load_fit_finds_what_forwards_really_cost_against_the_surface():
+    """Forwards whose base costs 1.3x the surface and whose further tokens 2.5x: the fit finds
+    both, from a mix of batch sizes and window lengths, and a curve prices windows with it."""
+    fit = LoadFit(*SURFACE)
+    for i in range(300):
+        sessions, extra = 1 + i % 4, (i * 7) % 11
+        base, per = costs.surface_at(*SURFACE, sessions)
+        fit.observe(sessions, sessions + extra, 1.3 * base + 2.5 * per * extra)
+    assert fit.a == pytest.approx(1.3, rel=0.05) and fit.b == pytest.approx(2.5, rel=0.05)
+    curve = CostCurve(0.0, [1, 2], [0.03, 0.032], batch_seconds=SURFACE[0], batch_token_seconds=SURFACE[1],
+                      others=(2.0, 3.0), fit=fit)
+    # 3 sessions; one further token from the others, 4 drafts: 1.3 * 0.034 + 2.5 * 5 * 0.0022
+    assert curve.loaded_time(4) == pytest.approx(1.3 * 0.034 + 2.5 * 5 * 0.0022, rel=0.06)
+    assert curve.loaded_time(4) > CostCurve(0.0, [1, 2], [0.03, 0.032], batch_seconds=SURFACE[0],
+                                            batch_token_seconds=SURFACE[1], others=(2.0, 3.0)).loaded_time(4)
+
+
+def test_plain_forwards_leave_the_token_cost_at_the_surfaces():
+    """Forwards of one token per session say nothing about further tokens: b stays at its prior."""
+    fit = LoadFit(*SURFACE)
+    for i in range(200):
+        fit.observe(1 + i % 4, 1 + i % 4, 0.8 * costs.surface_at(*SURFACE, 1 + i % 4)[0])
+    assert fit.a == pytest.approx(0.8, rel=0.05) and fit.b == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("others_yield, pays", [(None, True), (3.0, True), (6.0, False)])
+def test_a_drafted_token_pays_only_while_it_buys_more_than_it_delays_what_the_others_emit(others_yield, pays):
+    """4 sessions: a further token costs 0.0023 s of a 0.036 s forward, so a draft accepted 35% of
+    the time pays where the 3 others emit a token each, and not where they emit 6 between them."""
+    curve = CostCurve(0.0, [1, 2], [0.03, 0.032], batch_seconds=SURFACE[0], batch_token_seconds=SURFACE[1],
+                      others=(3.0, 3.0), others_yield=others_yield)
+    assert (curve.loaded_rate(1.35, 1) > curve.loaded_rate(1.0, 0)) == pays
+
+
+def test_what_the_others_emit_is_followed_like_their_load():
+    curve = CostCurve(0.0, [1, 2], [0.03, 0.032], batch_seconds=SURFACE[0], batch_token_seconds=SURFACE[1])
+    curve.observe_load(3, 3)
+    assert curve.others_yield is None  # unknown: one token each
+    curve.observe_load(3, 3, 7)
+    assert curve.others_yield == pytest.approx(3 + 0.5 * (7 - 3))

@@ -22,6 +22,7 @@ from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
+from specd.errors import InvalidRequest
 from specd.state import StateKey
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import Service, eventually
@@ -62,6 +63,7 @@ def test_greedy_output_is_the_target_alone_with_no_draft_service(chat_pair, draf
         drafted, accepted = drafted + stats["drafted"], accepted + stats["accepted"]
     assert accepted > 0 and drafted > accepted or policy == "cost-aware"  # lookups right and wrong
     assert drafted > 0
+    assert drafting_target.servicer.load_fit.forwards > 0  # what the forwards cost, for cost-aware's prices
 
 
 def test_seeded_sampling_is_the_target_alone_with_the_same_seed(chat_pair, drafting_target):
@@ -151,3 +153,10 @@ def test_a_target_without_a_drafter_refuses_to_draft(target_service):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _open_and_verify(target_service.address, target_pb2.LocalDrafting(policy="constant", max_length=20))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculate" in e.value.details()
+
+
+def test_an_unknown_policy_is_refused_naming_it_where_the_target_drafts(drafting_target):
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=8), spec=SpecParams("bogus"))
+    with pytest.raises(InvalidRequest) as e:
+        generate(drafting_target.address, None, request)
+    assert e.value.field == "policy"
