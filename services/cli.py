@@ -191,8 +191,12 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
         trainer = [("trainer", ["--target-model", args.target_model, "--threads", str(max(1, cpus // 4)), *redis],
                     free_port())]
     plaintext = ["--insecure", "true"]
+    # A lookup drafter drafts on the target itself, with no round trip per round, unless draft
+    # trees are asked for: those only the draft service grows. docs/services.md, "Drafting on the target".
+    target_drafts = ["--drafter", drafter] if drafter in MODEL_FREE and not args.branches else []
     return [
-        ("target", ["--model", args.target_model, "--metrics-port", str(free_port()), *plaintext], target),
+        ("target", ["--model", args.target_model, *target_drafts, "--metrics-port", str(free_port()), *plaintext],
+         target),
         ("draft", [*draft_flags, "--metrics-port", str(free_port()), *plaintext], draft),
         *trainer,
         *[(f"coordinator-{i + 1}" if i else "coordinator",

@@ -33,6 +33,17 @@ def test_the_default_drafter_is_retrieval_where_a_datastore_ships(tmp_path):
     assert draft_flags("--drafter", "early-exit") == ("early-exit", True)
 
 
+def test_a_lookup_drafter_drafts_on_the_target_too():
+    def target_drafter(*argv):
+        flags = {name: flags for name, flags, _ in _plan(_args(*argv))}["target"]
+        return flags[flags.index("--drafter") + 1] if "--drafter" in flags else None
+
+    assert target_drafter() == "retrieval"
+    assert target_drafter("--drafter", "ngram") == "ngram"
+    assert target_drafter("--drafter", "early-exit") is None  # a model drafts on the draft service
+    assert target_drafter("--branches", "2") is None  # draft trees grow on the draft service
+
+
 def test_every_grpc_link_is_loopback_plaintext_chosen_explicitly():
     """The gRPC services and the gateway (their client) get --insecure true; the trainer has no gRPC."""
     plan = {name: flags for name, flags, _ in _plan(_args("--drafter", "early-exit", "--dvi",
