@@ -160,3 +160,19 @@ def test_an_unknown_policy_is_refused_naming_it_where_the_target_drafts(drafting
     with pytest.raises(InvalidRequest) as e:
         generate(drafting_target.address, None, request)
     assert e.value.field == "policy"
+
+
+def test_a_client_that_goes_away_mid_run_frees_its_session(drafting_target):
+    async def run():
+        async with channel(drafting_target.address) as ch:
+            call = target_pb2_grpc.TargetServiceStub(ch).Session(timeout=30)
+            await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
+                prompt_ids=[5, 9, 14, 5, 9], sampling=sampling_to_proto(SamplingParams()),
+                speculate=target_pb2.LocalDrafting(policy="constant", max_length=400))))
+            await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1, steps=390)))
+            first = await call.read()
+            call.cancel()
+            return first
+
+    assert asyncio.run(run()).verified.next_token >= 0
+    eventually(lambda: drafting_target.servicer.active_sessions == 0)

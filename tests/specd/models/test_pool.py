@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specd.costs import CostCurve
 from specd.errors import InvalidRequest, Overloaded
 from specd.models.graphs import (
     BATCH_BUCKETS,
@@ -255,9 +256,14 @@ def test_the_engine_over_a_pool_decodes_as_over_growing_caches(lean, drafter, sp
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 11, 5, 6, 7]
     pooled = replace(lean)
     pooled.use_pool(2, 256)
+    # One frozen cost curve for both, flat, so side nodes pay wherever the drafter has them:
+    # measured per engine, the two curves differed, and so did the trees grown on them (a fresh
+    # clone's make test: 25 drafts and a tree round against 23 and none, the same tokens).
+    curve = CostCurve(0.0, list(range(1, 17)), [0.01] * 16, smoothing=0.0)
     runs = []
     for target in (lean, pooled):
-        g = SpeculativeEngine(target, build_drafter(drafter, target, draft_layers=2)).generate(prompt, sampling, spec)
+        engine = SpeculativeEngine(target, build_drafter(drafter, target, draft_layers=2), costs=curve)
+        g = engine.generate(prompt, sampling, spec)
         runs.append((g.token_ids, g.stats.drafted, g.stats.accepted, g.stats.tree_rounds))
     assert runs[0] == runs[1]
     assert pooled.pool.in_use() == 0
