@@ -11,7 +11,7 @@ from specd.types import SpecParams
 _STAT_FIELDS = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens",
                 "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "fallback_kind",
                 "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s",
-                "relaxed_accepted", "discarded", "tree_rounds", "branch_accepted")
+                "relaxed_accepted", "discarded", "tree_rounds", "branch_accepted", "drafted_on_target")
 
 
 def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> GenerateRequest:

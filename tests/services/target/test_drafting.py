@@ -176,3 +176,12 @@ def test_a_client_that_goes_away_mid_run_frees_its_session(drafting_target):
 
     assert asyncio.run(run()).verified.next_token >= 0
     eventually(lambda: drafting_target.servicer.active_sessions == 0)
+
+
+def test_spec_stats_say_the_target_drafted_across_the_coordinators_grpc_api():
+    """The gateway reads a remote coordinator's stats through SpecStats: the flag crosses it."""
+    from services.coordinator.api import FinishEvent
+    from services.coordinator.convert import event_from_proto, event_to_proto
+
+    sent = FinishEvent("length", 5, 8, {"policy": "constant", "drafted": 4, "drafted_on_target": True})
+    assert event_from_proto(event_to_proto(sent)).spec_stats["drafted_on_target"] is True
