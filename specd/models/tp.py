@@ -54,6 +54,11 @@ class TensorParallel:
         """Leave the process group. A process that exits without it can abort in a destructor
         of the group's threads ("terminate called without an active exception")."""
         if dist.is_initialized():
+            if dist.get_backend() == "gloo":  # every rank done before any tears its connections down
+                try:  # (without, one exit in three aborted); a rank that died must not hold the rest
+                    dist.monitored_barrier(timeout=timedelta(seconds=30))
+                except RuntimeError:
+                    pass
             dist.destroy_process_group()
 
     def broadcast(self, message: object = None) -> object:
