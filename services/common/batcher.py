@@ -304,9 +304,10 @@ class StepBatcher:
                 results = [e] * len(jobs)
             finally:
                 self.last_forward_s = time.perf_counter() - t0
-            info = next((r[1] for r in results if not isinstance(r, BaseException)), None)
-            if info is not None and self.on_forward is not None:
-                self.on_forward(info)
+            if self.on_forward is not None:
+                info = next((r[1] for r in results if not isinstance(r, BaseException)), None)
+                if info is not None:
+                    self.on_forward(info)
             going = self._queue_next_steps(jobs, results)
             last = jobs, results, going
             at_once = self._at_once(len(going), len(self._travellers(jobs, going)))
