@@ -43,6 +43,7 @@ import os
 import platform
 import statistics
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,19 +101,22 @@ class CostCurve:
     load_smoothing: float = 0.5  # weight of one verification's load in `others`
     fit: LoadFit | None = None  # what the target's forwards really cost against the surface, where known
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
-    _monotone: np.ndarray | None = field(default=None, init=False, repr=False)
+    _monotone: list[float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ks or len(self.ks) != len(self.t_target_k):
             raise ValueError("a cost curve needs one target time per window size")
-        self._ks = np.asarray(self.ks, float)
-        self._ts = np.asarray(self.t_target_k, float)
+        # Plain lists: a policy prices windows several times per drafted token (cost-aware's
+        # look-ahead), and numpy's per-call overhead on a scalar dwarfed the arithmetic.
+        self._ks = [float(k) for k in self.ks]
+        self._ts = [float(t) for t in self.t_target_k]
+        self._surface: tuple[float, float, float] | None = None  # (sessions, base, per_token) last asked
 
     def t_target(self, k: float) -> float:
         """Interpolate inside the measured ks; extrapolate with a least-squares line beyond."""
         ks, ts = self._ks, self._ts
         if ks[0] <= k <= ks[-1]:
-            return self.scale * float(np.interp(k, ks, ts))
+            return self.scale * interp(k, ks, ts)
         if self._fit is None:
             self._fit = tuple(np.polyfit(ks, ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
         slope, intercept = self._fit
@@ -123,10 +127,10 @@ class CostCurve:
         tokens never costs less, so a few noisy medians must not make a bigger window look
         cheaper than a smaller one. Extrapolated past the measured ks with the fitted slope."""
         if self._monotone is None:
-            self._monotone = isotonic(self._ts)
+            self._monotone = isotonic(self._ts).tolist()
         ks, ts = self._ks, self._monotone
         if k <= ks[-1]:
-            return self.scale * float(np.interp(k, ks, ts))
+            return self.scale * interp(k, ks, ts)
         if self._fit is None:
             self._fit = tuple(np.polyfit(ks, self._ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
         return self.scale * (float(ts[-1]) + (k - ks[-1]) * max(self._fit[0], 0.0))
@@ -143,7 +147,9 @@ class CostCurve:
         if not self.loaded():
             return self.round_time(draft_len)
         sessions, tokens = self.others
-        base, per_token = surface_at(self.batch_seconds, self.batch_token_seconds, 1.0 + sessions)
+        if self._surface is None or self._surface[0] != sessions:  # `others` moves once a round
+            self._surface = (sessions, *surface_at(self.batch_seconds, self.batch_token_seconds, 1.0 + sessions))
+        _, base, per_token = self._surface
         extra = max(tokens - sessions, 0.0) + draft_len  # tokens beyond one per session
         a, b = (self.fit.a, self.fit.b) if self.fit is not None else (1.0, 1.0)
         return draft_len * self.t_draft + self.scale * (a * base + b * extra * per_token) + self.overhead
@@ -197,8 +203,8 @@ def surface_at(batch_seconds: Sequence[float], batch_token_seconds: Sequence[flo
     """A forward of `sessions` sessions on a batched cost surface: (its seconds at one token
     each, the seconds of each further token), interpolated between the measured sessions and
     extrapolated past them (each further session costs like the last measured step)."""
-    base = float(np.interp(sessions, np.arange(1, len(batch_seconds) + 1), batch_seconds))
-    per_token = float(np.interp(sessions, np.arange(1, len(batch_token_seconds) + 1), batch_token_seconds))
+    base = interp(sessions, range(1, len(batch_seconds) + 1), batch_seconds)
+    per_token = interp(sessions, range(1, len(batch_token_seconds) + 1), batch_token_seconds)
     if sessions > len(batch_seconds):
         steps = batch_seconds
         base = steps[-1] + (sessions - len(steps)) * (steps[-1] - steps[-2] if len(steps) > 1 else steps[-1])
@@ -275,6 +281,19 @@ def measure_t_draft(drafter, prefix: Sequence[int], repeats: int = 7) -> float:
         return median_time(step, repeats)
     finally:
         session.close()
+
+
+def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """np.interp(x, xs, ys) for one x, with the same arithmetic (so the same float), at a
+    fraction of numpy's per-call cost: linear between the points of increasing xs, ys[0] before
+    the first and ys[-1] after the last."""
+    if x >= xs[-1]:
+        return float(ys[-1])
+    if x < xs[0]:
+        return float(ys[0])
+    j = bisect_right(xs, x) - 1
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return float(slope * (x - xs[j]) + ys[j])
 
 
 def isotonic(values: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 # (docs/engine.md gives the command); used by the retrieval drafter when none is named.
 BUNDLED_DATASTORES = {"smollm2-135m-instruct": DATA / "smollm2-datastore.safetensors"}
 MAX_VOTERS = 4096  # majorities over more occurrences than this are taken on an even subsample
+FEW = 32  # a Walk over this many occurrences or fewer narrows them in plain Python
 
 
 def voters(ends: np.ndarray) -> np.ndarray:
@@ -66,13 +67,16 @@ class Walk:
     __slots__ = ("text", "alive", "j", "rule", "limit")
 
     def __init__(self, text: np.ndarray, ends: np.ndarray, rule: str, limit: int):
-        self.text, self.alive, self.rule, self.limit, self.j = text, ends, rule, limit, 0
+        self.text, self.rule, self.limit, self.j = text, rule, limit, 0
+        self.alive: np.ndarray | list[int] = ends.tolist() if ends.size <= FEW else ends
 
     def next(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
         """(token, votes, support), or None when no occurrence goes on; `noise`: this position's
         race noise, which the "race" rule needs."""
         if self.j >= self.limit:
             return None
+        if isinstance(self.alive, list):
+            return self._next_few(noise)
         text = self.text
         alive = self.alive[self.alive + 1 + self.j < len(text)]  # own text: the continuation reaches its end
         column = text[alive + 1 + self.j]
@@ -88,9 +92,47 @@ class Walk:
             token, count = int(values[best]), int(counts[best])
             if self.rule == "majority" and self.j > 0 and 2 * count <= alive.size:
                 return None  # the majority path ends
-        self.alive = alive[column == token]
+        alive = alive[column == token]
+        self.alive = alive.tolist() if alive.size <= FEW else alive
         self.j += 1
         return token, int(valid.size), count / valid.size
+
+    def _next_few(self, noise: np.ndarray | None) -> tuple[int, int, float] | None:
+        """`next` over at most FEW occurrences, in plain Python, where numpy's per-call cost was
+        most of a drafted token's: the same choices (ties go to the smallest token, as in
+        np.unique's order)."""
+        text, offset = self.text, 1 + self.j
+        end = len(text) - offset
+        alive = [e for e in self.alive if e < end]
+        if len(alive) <= 8:
+            item = text.item
+            column = [item(e + offset) for e in alive]
+        else:
+            column = text[np.asarray(alive) + offset].tolist()
+        valid = [c for c in column if c >= 0]
+        if not valid:
+            return None
+        if self.rule == "recent":
+            token = valid[-1]
+            count = valid.count(token)
+        else:
+            counts: dict[int, int] = {}
+            for c in valid:
+                counts[c] = counts.get(c, 0) + 1
+            if len(counts) == 1:
+                ((token, count),) = counts.items()
+            else:
+                values = sorted(counts)
+                if self.rule == "race":
+                    token = max(values, key=lambda v: counts[v] / float(noise[v]))
+                else:
+                    token = max(values, key=counts.__getitem__)
+                count = counts[token]
+            if self.rule == "majority" and self.j > 0 and 2 * count <= len(alive):
+                return None  # the majority path ends
+        self.alive = [e for e, c in zip(alive, column) if c == token]
+        self.j += 1
+        return token, len(valid), count / len(valid)
 
 
 class Datastore:

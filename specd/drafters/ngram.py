@@ -42,11 +42,11 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
         return alive, 0
     # The few occurrences left are narrowed in Python: numpy's per-call cost outweighs the work
     # here, and this runs before every drafted window (on a GPU a step is only milliseconds).
-    text, ends = seq.tolist(), alive.tolist()
+    item, ends = seq.item, alive.tolist()  # item: one element, not the whole text as a list
     length, best = 1, ends
     while length < max_ngram:
-        want = text[n - 1 - length]  # room to extend the match one token further back, and a match
-        ends = [e for e in ends if e >= length and text[e - length] == want]
+        want = item(n - 1 - length)  # room to extend the match one token further back, and a match
+        ends = [e for e in ends if e >= length and item(e - length) == want]
         if not ends:
             break
         length, best = length + 1, ends

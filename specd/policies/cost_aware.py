@@ -50,6 +50,7 @@ the clock decides for it as for a model drafter.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from specd.errors import InvalidRequest
@@ -76,6 +77,7 @@ class CostAwareParams(PolicyParams):
                                              "to notice when it does again")
 
 
+@functools.lru_cache(maxsize=1024)
 def ngram_bin(match_len: int, index: int, retrieved: bool = False) -> str:
     """n-gram bins: the request's own text ("n") and a retrieval datastore ("r") apart."""
     return f"{'r' if retrieved else 'n'}{min(match_len, MAX_MATCH_BIN)}i{min(index, MAX_INDEX_BIN)}"
@@ -115,6 +117,7 @@ def feature_bin(step: DraftStep) -> str:
     return key + f"e{noise_class(step.noise)}" if step.noise >= 0 else key
 
 
+@functools.lru_cache(maxsize=4096)
 def parent_bin(bin_: str) -> str | None:
     """A child bin's parent (the same features less the last split): the prior a sparse child
     starts from and shrinks towards; None for a top-level bin."""
@@ -143,6 +146,7 @@ class CostAwarePolicy(StoppingPolicy):
     # -- the calibration table (shared state) ------------------------------------------------
     def load_state(self, state: dict[str, float]) -> None:
         self.table: dict[str, list[float]] = {}  # bin -> [accepted weight, rejected weight]
+        self._estimates: dict[str, float] = {}  # bin -> estimate, until the table changes
         # What drafting rounds realised: decayed sums of tokens emitted and of their cost.
         self.paid = [float(state.get("rounds:emitted", 0.0)), float(state.get("rounds:seconds", 0.0))]
         # Measured pace, decayed: [tokens, seconds, rounds] of rounds with and without the drafter.
@@ -164,7 +168,14 @@ class CostAwarePolicy(StoppingPolicy):
 
     def estimate(self, bin_: str) -> float:
         """Calibrated P(accepted | the tokens before it in the window were). A child bin's prior
-        is its parent's estimate, so a rare vote or noise class starts where its parent stands."""
+        is its parent's estimate, so a rare vote or noise class starts where its parent stands.
+        Kept until the table learns (a window asks for the same bins again and again)."""
+        got = self._estimates.get(bin_)
+        if got is None:
+            got = self._estimates[bin_] = self._estimate(bin_)
+        return got
+
+    def _estimate(self, bin_: str) -> float:
         parent = parent_bin(bin_)
         if parent is not None:
             prior = self.estimate(parent)
@@ -178,6 +189,7 @@ class CostAwarePolicy(StoppingPolicy):
         return (acc + w * prior) / total if total > 0 else prior
 
     def _learn(self, bin_: str, accepted: bool) -> None:
+        self._estimates.clear()
         parent = parent_bin(bin_)
         if parent is not None:
             self._learn(parent, accepted)

@@ -4,11 +4,22 @@ smoothing rule every cost estimate follows."""
 from __future__ import annotations
 
 import json
+import random
 
+import numpy as np
 import pytest
 
 from specd import costs
-from specd.costs import SMOOTHING, CostCurve, LoadFit, MovingAverage, cached_cost_curve, curve_key, smoothed
+from specd.costs import (
+    SMOOTHING,
+    CostCurve,
+    LoadFit,
+    MovingAverage,
+    cached_cost_curve,
+    curve_key,
+    interp,
+    smoothed,
+)
 from specd.drafters import NgramDrafter
 
 
@@ -178,3 +189,14 @@ def test_what_the_others_emit_is_followed_like_their_load():
     assert curve.others_yield is None  # unknown: one token each
     curve.observe_load(3, 3, 7)
     assert curve.others_yield == pytest.approx(3 + 0.5 * (7 - 3))
+
+
+def test_interp_is_numpys_to_the_last_bit():
+    """The curve's own interpolation (a plain-Python hot path) gives np.interp's floats exactly:
+    at the knots, between them and past both ends."""
+    rng = random.Random(0)
+    for _ in range(5000):
+        xs = sorted(rng.sample(range(1, 40), rng.randint(1, 17)))
+        ys = [rng.random() * 0.05 for _ in xs]
+        x = rng.choice([rng.uniform(-1, 41), float(rng.randint(0, 41)), float(rng.choice(xs))])
+        assert interp(x, xs, ys) == float(np.interp(x, xs, ys))

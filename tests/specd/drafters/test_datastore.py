@@ -146,3 +146,26 @@ def test_session_branches_offer_own_repeats_then_the_datastore():
     assert got[1:3] == [[70, 71], [60, 61]]  # then the datastore, most frequent first (a tie: the lower id)
     assert got[3] == [8, 3, 4]  # then older repeats
     assert all(len(b) <= 3 for b in got)
+
+
+@pytest.mark.parametrize("rule", ["recent", "majority", "race"])
+def test_a_walk_over_few_occurrences_chooses_as_over_many(rule, monkeypatch):
+    """A Walk narrows few occurrences in plain Python and many with numpy: the same tokens,
+    votes and support either way, ties to the smallest token (random texts of a small
+    vocabulary, so that occurrences disagree and tie often)."""
+    from specd.drafters import datastore
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        text = rng.integers(0, 4, 400).astype(np.int32)
+        text[rng.random(400) < 0.05] = SEP
+        ends = np.sort(rng.choice(390, size=int(rng.integers(1, 40)), replace=False))
+        noise = rng.exponential(size=4).astype(np.float32)
+        walks = []
+        for few in (0, 10_000):  # numpy throughout, Python throughout
+            monkeypatch.setattr(datastore, "FEW", few)
+            walk, out = datastore.Walk(text, ends, rule, 12), []
+            while (got := walk.next(noise)) is not None:
+                out.append(got)
+            walks.append(out)
+        assert walks[0] == walks[1], trial
