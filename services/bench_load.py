@@ -269,6 +269,7 @@ def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
 
 TARGET_SAMPLES = ("specd_verify_batch_size_count", "specd_verify_batch_size_sum", "specd_target_forward_tokens_sum",
                   "specd_verify_gather_seconds_sum", "specd_verify_gather_missed_total",
+                  "specd_verify_next_steps_seconds_sum",
                   "specd_target_plain_run_steps_sum", "specd_verify_seconds_sum", "specd_verify_seconds_count")
 
 
@@ -298,6 +299,7 @@ def target_stats(before: dict[str, float], after: dict[str, float], wall: float)
             "forward_ms": round(1e3 * d["specd_verify_seconds_sum"] / max(d["specd_verify_seconds_count"], 1), 3),
             "gather_ms": round(1e3 * d["specd_verify_gather_seconds_sum"] / forwards, 3),
             "missed_per_forward": round(d["specd_verify_gather_missed_total"] / forwards, 3),
+            "next_steps_ms": round(1e3 * d["specd_verify_next_steps_seconds_sum"] / forwards, 3),
             "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0}
 
 
@@ -377,12 +379,13 @@ def report(doc: dict) -> str:
     if stats:
         lines += ["", "The target's forwards (from its metrics; forward ms: a forward to its verdicts, the mean a "
                   "session saw; gather ms: the mean wait per forward for the sessions of the last one; missed: "
-                  "those it started without):",
+                  "those it started without; next steps ms: the mean time per forward spent preparing the plain "
+                  "runs' next steps, the target's own drafting included):",
                   "", "| level | mode | forwards/s | sessions/forward | tokens/forward | forward ms | gather ms "
-                  "| missed/forward | plain-run share |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| missed/forward | next steps ms | plain-run share |", "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {lvl} | {mode} | {t['forwards_per_s']} | {t['sessions_per_forward']} | {t['tokens_per_forward']} "
-                  f"| {t['forward_ms']} | {t['gather_ms']} | {t['missed_per_forward']} | {t['plain_share']} |"
-                  for lvl, mode, t in stats]
+                  f"| {t['forward_ms']} | {t['gather_ms']} | {t['missed_per_forward']} | {t.get('next_steps_ms', '–')} "
+                  f"| {t['plain_share']} |" for lvl, mode, t in stats]
     if doc.get("target_costs"):
         lines += ["", _surface_line(doc["target_costs"])]
     memory = {when: by for when, by in (doc.get("memory_mb") or {}).items() if by}

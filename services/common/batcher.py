@@ -87,6 +87,8 @@ class Gathered:
     waits: list[float]  # seconds each of its jobs waited in the queue
     gather_seconds: float = 0.0  # of which the worker spent waiting for the last forward's sessions
     missed: int = 0  # sessions of the last forward not back when it started (the wait ran out)
+    steps_seconds: float = 0.0  # the worker spent between the last forward and this one on plain runs'
+    # next steps (a target drafting for its sessions drafts there: services.target.drafting)
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,7 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         last: tuple | None = None  # the last forward's jobs, results and going runs, not handed over yet
         at_once = False  # start the next forward before handing over the last one's results
+        steps_s = 0.0  # spent on the last forward's plain runs' next steps
         while True:
             if last is not None and at_once and self.queue:
                 jobs, waited, missed = self._take(), 0.0, len(self.returning)
@@ -290,7 +293,8 @@ class StepBatcher:
                 t0 = time.perf_counter()
                 if self.on_batch is not None:
                     self.on_batch(Gathered(len(jobs), sum(len(j.ids) for j in jobs),
-                                           [t0 - j.queued_at for j in jobs], waited, missed))
+                                           [t0 - j.queued_at for j in jobs], waited, missed, steps_s))
+                steps_s = 0.0
                 forward = loop.run_in_executor(self.executor, self._forward, jobs)
             if last is not None:  # the last forward's results travel while this one runs
                 self._hand_over(*last)
@@ -308,7 +312,9 @@ class StepBatcher:
                 info = next((r[1] for r in results if not isinstance(r, BaseException)), None)
                 if info is not None:
                     self.on_forward(info)
+            t_steps = time.perf_counter()
             going = self._queue_next_steps(jobs, results)
+            steps_s += time.perf_counter() - t_steps
             last = jobs, results, going
             at_once = self._at_once(len(going), len(self._travellers(jobs, going)))
 

@@ -16,6 +16,10 @@
                                           the previous one answered to come back (--batch-gather)
   specd_verify_gather_missed_total        counter: sessions the previous forward answered that were
                                           not back when the next one started
+  specd_verify_next_steps_seconds         histogram: seconds between forward passes spent queueing
+                                          the plain runs' next steps, with the target's own drafting
+                                          for its sessions (--drafter): on the path from one forward
+                                          to the next
   specd_target_prefill_chunks_total       counter: prompt chunks prefilled (prefill_chunk tokens each)
   specd_target_decode_seconds_per_token   gauge: the measured cost of one plain decoding step (one
                                           session, one token), measured at start-up and kept current
@@ -82,6 +86,9 @@ class TargetMetrics:
         self.gather_missed = Counter("specd_verify_gather_missed", "sessions of the last forward not back when "
                                      "the next started", ["model"], registry=registry)
         self.gather_missed.labels(self.model)
+        self.next_steps_s = Histogram("specd_verify_next_steps_seconds", "seconds between forwards spent on "
+                                      "plain runs' next steps (the target's own drafting included)", ["model"],
+                                      buckets=STEP_BUCKETS, registry=registry)
         depth = Gauge("specd_verify_queue_depth", "verifications waiting for a forward", ["model"],
                       registry=registry)
         depth.labels(model).set_function(queue_depth)
@@ -114,6 +121,7 @@ class TargetMetrics:
             self.queue_s.labels(self.model).observe(w)
         self.gather_s.labels(self.model).observe(batch.gather_seconds)
         self.gather_missed.labels(self.model).inc(batch.missed)
+        self.next_steps_s.labels(self.model).observe(batch.steps_seconds)
 
     def observe_plain_run(self, steps: int) -> None:
         self.plain_runs.labels(self.model).observe(steps)

@@ -41,7 +41,7 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
             assert target["forwards_per_s"] > 0 and target["forward_ms"] > 0
             assert 1 <= target["sessions_per_forward"] <= int(level[1:])
             assert target["tokens_per_forward"] >= target["sessions_per_forward"]
-            assert target["gather_ms"] >= 0 and target["missed_per_forward"] >= 0
+            assert target["gather_ms"] >= 0 and target["missed_per_forward"] >= 0 and target["next_steps_ms"] >= 0
             if mode == "none":  # target-only answers are plain runs after their first step
                 assert target["plain_share"] > 0.5
             if mode == "heuristic":  # every step verifies drafts

@@ -383,3 +383,30 @@ def test_a_traveller_slower_than_a_forward_does_not_hold_up_the_plain_runs(poole
     later = seen[len(seen) // 2:]
     assert len(seen) >= 10  # a ran on while b travelled
     assert all(g.gather_seconds < 0.01 for g in later)
+
+
+def test_each_forward_reports_the_time_spent_on_the_plain_runs_next_steps(pooled):
+    """specd_verify_next_steps_seconds: a plain run whose next step takes 30 ms (a target
+    drafting its window) shows it on the forwards after the first, which had none before it."""
+    import time
+
+    seen: list = []
+
+    def then(logits, hidden):
+        return int(logits[-1].argmax())
+
+    def next_step():
+        time.sleep(0.03)
+        return [7], then, 1
+
+    async def main():
+        async with _batcher(pooled, 0.0, seen.append) as (batcher, a, b):
+            run = PlainRun(next_step)
+            batcher.start_run(a, [7], then, run)
+            for _ in range(3):
+                await asyncio.wait_for(run.results.get(), 5.0)
+            run.stop()
+
+    asyncio.run(main())
+    assert seen[0].steps_seconds == 0.0
+    assert len(seen) >= 3 and all(g.steps_seconds >= 0.03 for g in seen[1:3])
