@@ -1,0 +1,125 @@
+"""What drafting one window costs the process that drafts it, per round: a lookup drafter's
+walk and its stopping policy's decisions, without the target's forward. Where the target drafts
+for its own sessions (docs/services.md, "Drafting on the target"), this is serial work between
+two forwards for every session in them; on a GPU, whose forward is a few milliseconds, it bounds
+how many sessions one target can draft for.
+
+The target answers the prompts alone first (greedy, and seeded at T = 1); drafting is then
+replayed against those answers: each window is judged as the target would judge it (a draft is
+kept while it is the target's own token), so every round and every decision is the engine's,
+and the policy is priced on a frozen cost curve (`--curve`: the one measured for this pair here,
+or a gpu_check.json's), so that two runs decide alike and their times compare.
+
+    python scripts/draft_cost.py --dataset ../shared/datasets/mt_bench_question.jsonl --prompts 24 \
+        --curve docs/bench/gpu-h200/gpu_check.json --out draft_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specd.bench.datasets import load_questions
+from specd.costs import CostCurve, measure_cost_curve
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
+from specd.models import load_model
+from specd.policies import PolicyResources, request_policy
+from specd.round import draft_window
+from specd.sampling import request_generator
+from specd.types import SamplingParams, SpecParams
+
+
+def frozen_curve(path: str | None, target, drafter) -> CostCurve:
+    """The policy's prices, frozen: from a gpu_check.json (milliseconds), else measured here."""
+    if path is None:
+        curve = measure_cost_curve(target, drafter)
+        return CostCurve(curve.t_draft, curve.ks, [curve.scale * t for t in curve.t_target_k], smoothing=0.0)
+    doc = json.loads(Path(path).read_text())
+    c = next(iter(doc["speculation"]["cost_curve_ms"].values()))
+    ts = [t * 1e-3 for t in c["t_target_k"]]
+    return CostCurve(c["t_draft"] * 1e-3, list(range(1, len(ts) + 1)), ts, smoothing=0.0)
+
+
+def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int], list[int]]],
+           sampling: SamplingParams, vocab_size: int) -> dict:
+    """Draft every round of these (prompt, target's answer) pairs; the policy's state carries
+    over from one answer to the next, as a service's does."""
+    state: dict[str, float] = {}
+    seconds, rounds, drafted, accepted = 0.0, 0, 0, 0
+    for prompt, answer in answers:
+        spec = SpecParams(policy)
+        rule = request_policy(spec, state, PolicyResources(None, None), lambda: curve)
+        session = drafter.open(vocab_size)
+        generator = request_generator(sampling)
+        seq, at = list(prompt), 0
+        while at < len(answer):
+            t0 = time.perf_counter()
+            cap = min(rule.params.max_draft_tokens, len(prompt) + sampling.max_new_tokens - len(seq) - 1)  # the engine's
+            w = draft_window(rule, session, list(seq), sampling, generator, cap, at)
+            n = 0
+            while n < len(w.tokens) and at + n < len(answer) and w.tokens[n] == answer[at + n]:
+                n += 1
+            # Past an answer's EOS the target's next token is not known: taken as no token (a
+            # dropped draft there counts as rejected), the one place the engine may judge otherwise.
+            after = answer[at + n] if at + n < len(answer) else -1
+            session.rollback(len(seq) + n)
+            outcome = w.outcome(n, after)
+            if outcome is not None:
+                rule.observe(outcome)
+            seconds += time.perf_counter() - t0
+            rule.observe_pace(n + 1, curve.round_time(len(w.tokens)), w.ran)  # priced, not timed: alike every run
+            rounds, drafted, accepted = rounds + 1, drafted + len(w.tokens), accepted + n
+            seq += answer[at:at + n + 1]
+            at += n + 1
+        state = rule.state()
+        session.close()
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+            "tokens_per_round": round(sum(len(a) for _, a in answers) / max(rounds, 1), 3),
+            "us_per_round": round(1e6 * seconds / max(rounds, 1), 1),
+            "us_per_drafted": round(1e6 * seconds / max(drafted, 1), 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target-model", default="embedded")
+    p.add_argument("--dataset", type=Path, help="JSONL with a 'turns' list per line (default: the built-in prompts)")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--drafters", default="retrieval,ngram")
+    p.add_argument("--policies", default="cost-aware")
+    p.add_argument("--curve", help="a gpu_check.json whose cost curve prices the windows (default: measured here)")
+    p.add_argument("--repeats", type=int, default=3, help="replays of each cell; the fastest is kept")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    target = load_model(args.target_model, "cpu", "float32")
+    prompts = [target.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True)
+               for q in load_questions(args.dataset, limit=args.prompts)]
+    alone = SpeculativeEngine(target)
+    out = {"machine": platform.processor() or platform.machine(), "target": target.name, "prompts": len(prompts),
+           "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
+    for label, sampling in (("greedy", SamplingParams(max_new_tokens=args.max_new_tokens)),
+                            ("t1-seeded", SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens))):
+        answers = [(ids, alone.generate(ids, sampling, SpecParams("none")).token_ids) for ids in prompts]
+        for kind in args.drafters.split(","):
+            drafter = build_drafter(kind, target)
+            curve = frozen_curve(args.curve, target, drafter)
+            for policy in args.policies.split(","):
+                runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size)
+                        for _ in range(args.repeats)]
+                best = min(runs, key=lambda r: r["us_per_round"])
+                out["cells"][f"{label} {kind}/{policy}"] = best
+                print(f"{label} {kind}/{policy}: {best}", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
