@@ -29,6 +29,7 @@ from specd.drafters.datastore import TAIL, Datastore, Walk, voters
 from specd.sampling import race_row
 
 MAX_ALTERNATIVES = 4  # datastore candidates offered per round (the engine keeps up to 3 branches)
+FEW_ENDS = 48  # suffix_matches narrows more occurrences than this with numpy
 
 
 def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
@@ -40,10 +41,18 @@ def suffix_matches(seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     alive = np.flatnonzero(seq[:-1] == seq[-1])  # earlier ends of a 1-token match
     if alive.size == 0:
         return alive, 0
-    # The few occurrences left are narrowed in Python: numpy's per-call cost outweighs the work
-    # here, and this runs before every drafted window (on a GPU a step is only milliseconds).
+    length = 1
+    # Many occurrences (a long text, a frequent token) are narrowed with numpy; the few left in
+    # Python, where numpy's per-call cost outweighs the work: this runs before every drafted
+    # window (on a GPU a step is only milliseconds).
+    while alive.size > FEW_ENDS and length < max_ngram:
+        longer = alive[alive >= length]
+        longer = longer[seq[longer - length] == seq[n - 1 - length]]
+        if longer.size == 0:
+            return alive, length
+        alive, length = longer, length + 1
     item, ends = seq.item, alive.tolist()  # item: one element, not the whole text as a list
-    length, best = 1, ends
+    best = ends
     while length < max_ngram:
         want = item(n - 1 - length)  # room to extend the match one token further back, and a match
         ends = [e for e in ends if e >= length and item(e - length) == want]

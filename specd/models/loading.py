@@ -3,6 +3,7 @@ causal-LM directory, and checks that a draft/target pair shares a tokenizer."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -42,8 +43,8 @@ class LoadedModel:
         """lean or hf: what a session opened now runs (the model's dtype and device decide auto)."""
         return choose_forward(self.model, self.forward, self.device)
 
-    @property
-    def vocab_size(self) -> int:
+    @functools.cached_property
+    def vocab_size(self) -> int:  # asked for every verified window: transformers' lookup cost microseconds
         return self.model.get_output_embeddings().weight.shape[0]
 
     def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False,

@@ -158,3 +158,24 @@ def test_early_exit_sessions_run_lean_and_draft_what_transformers_computes(tiny_
     # a target that runs transformers' forward gets transformers' forward in its drafter too
     hf_target = loaded(tiny_target.model, "hf-target", forward="hf")
     assert not isinstance(EarlyExitDrafter(hf_target, layers=2).open().kv.cache, FlatCache)
+
+
+def test_suffix_matches_agrees_with_a_brute_force_search_over_many_occurrences():
+    """Against a brute-force search, on random texts of small vocabularies: long texts of
+    frequent tokens narrow their many occurrences with numpy, short ones in Python."""
+    def brute(seq, max_ngram):
+        n, best = len(seq), (np.zeros(0, np.int64), 0)
+        for length in range(1, max_ngram + 1):
+            ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1:e + 1] == seq[n - length:]]
+            if not ends:
+                break
+            best = (np.asarray(ends, np.int64), length)
+        return best
+
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        seq = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(2, 600))).tolist()
+        k = int(rng.integers(1, 9))
+        seq[:k] = seq[-k:]  # a match that starts the text
+        got, want = suffix_matches(np.asarray(seq, np.int64), 8), brute(seq, 8)
+        assert got[1] == want[1] and got[0].tolist() == want[0].tolist(), trial
