@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,13 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specd.bench.datasets import load_questions
-from specd.costs import CostCurve, measure_cost_curve
+from specd.costs import CostCurve, cpu_model, measure_cost_curve
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.models import load_model
 from specd.policies import PolicyResources, request_policy
 from specd.round import draft_window
-from specd.sampling import request_generator
+from specd.sampling import race_row, request_generator
+
+RACE_ROWS = 4  # seeded sampling: a round's first rows of race noise, drawn outside the timer
 from specd.types import SamplingParams, SpecParams
 
 
@@ -60,6 +61,9 @@ def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int]
         generator = request_generator(sampling)
         seq, at = list(prompt), 0
         while at < len(answer):
+            if sampling.coupled:  # the race noise rows verification reads anyway, drawn before the timer
+                for position in range(len(seq), min(len(seq) + RACE_ROWS, len(prompt) + sampling.max_new_tokens)):
+                    race_row(sampling.seed, position, vocab_size)
             t0 = time.perf_counter()
             cap = min(rule.params.max_draft_tokens, len(prompt) + sampling.max_new_tokens - len(seq) - 1)  # the engine's
             w = draft_window(rule, session, list(seq), sampling, generator, cap, at)
@@ -95,18 +99,27 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default="retrieval,ngram")
     p.add_argument("--policies", default="cost-aware")
     p.add_argument("--curve", help="a gpu_check.json whose cost curve prices the windows (default: measured here)")
+    p.add_argument("--samplings", default="greedy,t1-seeded")
     p.add_argument("--repeats", type=int, default=3, help="replays of each cell; the fastest is kept")
+    p.add_argument("--answers", type=Path, help="the target's answers: read from this file if it exists, else "
+                                                "written there (two runs replay the same answers)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     target = load_model(args.target_model, "cpu", "float32")
     prompts = [target.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True)
                for q in load_questions(args.dataset, limit=args.prompts)]
     alone = SpeculativeEngine(target)
-    out = {"machine": platform.processor() or platform.machine(), "target": target.name, "prompts": len(prompts),
+    kept = json.loads(args.answers.read_text()) if args.answers is not None and args.answers.is_file() else None
+    written: dict[str, list[list[int]]] = {}
+    out = {"machine": cpu_model(), "target": target.name, "prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
-    for label, sampling in (("greedy", SamplingParams(max_new_tokens=args.max_new_tokens)),
-                            ("t1-seeded", SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens))):
-        answers = [(ids, alone.generate(ids, sampling, SpecParams("none")).token_ids) for ids in prompts]
+    samplings = {"greedy": SamplingParams(max_new_tokens=args.max_new_tokens),
+                 "t1-seeded": SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens)}
+    for label in args.samplings.split(","):
+        sampling = samplings[label]
+        answers = [(ids, kept[label][i] if kept else alone.generate(ids, sampling, SpecParams("none")).token_ids)
+                   for i, ids in enumerate(prompts)]
+        written[label] = [a for _, a in answers]
         for kind in args.drafters.split(","):
             drafter = build_drafter(kind, target)
             curve = frozen_curve(args.curve, target, drafter)
@@ -116,6 +129,8 @@ def main(argv=None) -> int:
                 best = min(runs, key=lambda r: r["us_per_round"])
                 out["cells"][f"{label} {kind}/{policy}"] = best
                 print(f"{label} {kind}/{policy}: {best}", flush=True)
+    if args.answers is not None and kept is None and set(written) == set(samplings):
+        args.answers.write_text(json.dumps(written))
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
