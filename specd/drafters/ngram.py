@@ -74,6 +74,11 @@ class NgramSession(DraftSession):
         self.match_len = 0
         self.retrieved = False  # the proposal comes from the datastore
         self.next_len = -1  # len(seq) at which the walk's next token is the next token
+        # The request's text as an array, kept across rounds: each lookup copies only the tokens
+        # new since the last one (a long prompt's copy cost more than the lookup); `rollback`
+        # marks what is no longer the text.
+        self.text = np.zeros(0, np.int64)
+        self.synced = 0  # tokens of self.text that are the start of the request's text
 
     def next(self, seq, params, generator, want_hidden):
         noise = None
@@ -91,8 +96,23 @@ class NgramSession(DraftSession):
         return DraftToken(token, None, 1.0, 1.0, 0.0, None, self.match_len, self.retrieved, votes, support,
                           float(noise[token]) if noise is not None else -1.0)
 
+    def _array(self, seq: list[int]) -> np.ndarray:
+        """seq as an int64 array (a view of self.text), copying only what is new since the last
+        lookup; a text that does not end its synced part as the last one did starts over."""
+        n, m = len(seq), self.synced
+        if m > n or (m and self.text[m - 1] != seq[m - 1]):
+            m = 0
+        if len(self.text) < n:
+            grown = np.empty(max(n, 2 * len(self.text), 256), np.int64)
+            grown[:m] = self.text[:m]
+            self.text = grown
+        if n > m:
+            self.text[m:n] = seq[m:n]
+        self.synced = n
+        return self.text[:n]
+
     def _lookup(self, seq: list[int], race: bool) -> None:
-        arr = np.asarray(seq, dtype=np.int64)
+        arr = self._array(seq)
         ends, length = suffix_matches(arr, self.max_ngram)
         if length < self.min_ngram:
             length = 0
@@ -126,6 +146,7 @@ class NgramSession(DraftSession):
         return out
 
     def rollback(self, length: int) -> None:
+        self.synced = min(self.synced, length)
         if length < self.next_len:
             self.walk, self.next_len = None, -1
 

@@ -179,3 +179,42 @@ def test_suffix_matches_agrees_with_a_brute_force_search_over_many_occurrences()
         seq[:k] = seq[-k:]  # a match that starts the text
         got, want = suffix_matches(np.asarray(seq, np.int64), 8), brute(seq, 8)
         assert got[1] == want[1] and got[0].tolist() == want[0].tolist(), trial
+
+
+@pytest.mark.parametrize("with_datastore", [False, True])
+def test_a_lookup_session_drafts_alike_whether_it_copies_the_text_anew_or_only_what_is_new(with_datastore):
+    """An n-gram session keeps the request's text as an array across rounds, copying only the
+    tokens new since its last lookup and forgetting what a rollback takes back. Rounds of random
+    windows, verdicts and commits (and a rewrite, without a rollback, of the last token it copied)
+    must draft what a session that copies the whole text at every lookup drafts."""
+    from specd.drafters import RetrievalDrafter
+    from specd.drafters.datastore import Datastore
+
+    rng = np.random.default_rng(1)
+    if with_datastore:
+        docs = [rng.integers(0, 6, int(rng.integers(5, 60))).tolist() for _ in range(40)]
+        drafter = RetrievalDrafter(Datastore.from_documents(docs))
+    else:
+        drafter = NgramDrafter()
+    params = SamplingParams()
+    for trial in range(30):
+        kept, anew = drafter.open(), drafter.open()
+        seq = rng.integers(0, 6, int(rng.integers(2, 40))).tolist()
+        for _ in range(40):
+            committed = len(seq)
+            window = []
+            for _ in range(int(rng.integers(1, 6))):
+                anew.synced = 0  # copies the whole text at its next lookup
+                got = [s.next(seq + window, params, None, False) for s in (kept, anew)]
+                assert (got[0] is None) == (got[1] is None), trial
+                if got[0] is None:
+                    break
+                a, b = ((d.token, d.match_len, d.retrieved, d.votes, d.support) for d in got)
+                assert a == b, trial
+                window.append(a[0])
+            n = int(rng.integers(0, len(window) + 1))
+            for s in (kept, anew):
+                s.rollback(committed + n)
+            seq += window[:n] + [int(rng.integers(0, 6))]
+            if rng.random() < 0.05 and kept.synced:  # a rewrite without a rollback, at the end it copied
+                seq[kept.synced - 1] = (seq[kept.synced - 1] + 1) % 6
