@@ -251,7 +251,11 @@ def test_a_gateway_spreads_requests_over_several_coordinators_and_outlives_one(c
     assert channel_options("dns:///coordinator:50063")[-1] == ("grpc.lb_policy_name", "round_robin")
     try:
         assert asyncio.run(run(6)) == [want] * 6
-        assert [served(registry) for *_, registry in started] == [3, 3]
+        # Both take requests. Not necessarily three each: round robin picks among the connections
+        # ready at each call, and under a loaded machine the second may connect after the first
+        # call or two (a fresh clone's make test saw 4 and 2).
+        counts = [served(registry) for *_, registry in started]
+        assert sum(counts) == 6 and min(counts) >= 1, counts
         coordinator, server, _, _ = started[0]
         service_loop.run(server.stop(0))
         assert asyncio.run(run(4)) == [want] * 4
