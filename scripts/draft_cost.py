@@ -115,14 +115,16 @@ def main(argv=None) -> int:
            "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
     samplings = {"greedy": SamplingParams(max_new_tokens=args.max_new_tokens),
                  "t1-seeded": SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens)}
+    drafters = {}  # kind: (drafter, its frozen curve), built once for every sampling
+    for kind in args.drafters.split(","):
+        drafter = build_drafter(kind, target)
+        drafters[kind] = drafter, frozen_curve(args.curve, target, drafter)
     for label in args.samplings.split(","):
         sampling = samplings[label]
         answers = [(ids, kept[label][i] if kept else alone.generate(ids, sampling, SpecParams("none")).token_ids)
                    for i, ids in enumerate(prompts)]
         written[label] = [a for _, a in answers]
-        for kind in args.drafters.split(","):
-            drafter = build_drafter(kind, target)
-            curve = frozen_curve(args.curve, target, drafter)
+        for kind, (drafter, curve) in drafters.items():
             for policy in args.policies.split(","):
                 runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size)
                         for _ in range(args.repeats)]
