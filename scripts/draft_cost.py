@@ -10,6 +10,12 @@ kept while it is the target's own token), so every round and every decision is t
 and the policy is priced on a frozen cost curve (`--curve`: the one measured for this pair here,
 or a gpu_check.json's), so that two runs decide alike and their times compare.
 
+The same replay prices each round on that curve (`speedup_on_curve`): what speculation would
+gain over the target alone where a forward costs what the curve says, a drafted token its
+t_draft (`--t-draft-ms`), and the work around a forward what that gpu_check.json's target alone
+paid beyond it. With the `oracle` policy (drafting exactly what the target keeps) it is the bound
+any stopping policy has with that drafter on that device's curve.
+
     python scripts/draft_cost.py --dataset ../shared/datasets/mt_bench_question.jsonl --prompts 24 \
         --curve docs/bench/gpu-h200/gpu_check.json --out draft_cost.json
 """
@@ -37,26 +43,46 @@ RACE_ROWS = 4  # seeded sampling: a round's first rows of race noise, drawn outs
 from specd.types import SamplingParams, SpecParams
 
 
-def frozen_curve(path: str | None, target, drafter) -> CostCurve:
-    """The policy's prices, frozen: from a gpu_check.json (milliseconds), else measured here."""
+def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None) -> CostCurve:
+    """The policy's prices, frozen: from a gpu_check.json (milliseconds), else measured here;
+    t_draft (seconds) replaces the price of a drafted token."""
     if path is None:
         curve = measure_cost_curve(target, drafter)
-        return CostCurve(curve.t_draft, curve.ks, [curve.scale * t for t in curve.t_target_k], smoothing=0.0)
+        return CostCurve(curve.t_draft if t_draft is None else t_draft, curve.ks,
+                         [curve.scale * t for t in curve.t_target_k], smoothing=0.0)
     doc = json.loads(Path(path).read_text())
     c = next(iter(doc["speculation"]["cost_curve_ms"].values()))
     ts = [t * 1e-3 for t in c["t_target_k"]]
-    return CostCurve(c["t_draft"] * 1e-3, list(range(1, len(ts) + 1)), ts, smoothing=0.0)
+    return CostCurve(c["t_draft"] * 1e-3 if t_draft is None else t_draft, list(range(1, len(ts) + 1)), ts,
+                     smoothing=0.0)
+
+
+def host_times(path: str | None, curve: CostCurve) -> dict[str, float]:
+    """Seconds a gpu_check.json's target alone paid per token beyond its curve's one-token
+    forward, greedy and seeded (the work around a forward: sampling, race noise, bookkeeping);
+    nothing for a curve measured here."""
+    if path is None:
+        return {"greedy": 0.0, "t1-seeded": 0.0}
+    doc = json.loads(Path(path).read_text())
+    spec = doc["speculation"]
+    runs = {"greedy": doc.get("target_alone", {}).get(spec.get("baseline")), "t1-seeded": spec.get("t1_baseline")}
+    return {label: max(run["seconds"] / run["tokens"] - curve.t_target(1), 0.0) if run else 0.0
+            for label, run in runs.items()}
 
 
 def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int], list[int]]],
-           sampling: SamplingParams, vocab_size: int) -> dict:
+           sampling: SamplingParams, vocab_size: int, host: float = 0.0) -> dict:
     """Draft every round of these (prompt, target's answer) pairs; the policy's state carries
-    over from one answer to the next, as a service's does."""
+    over from one answer to the next, as a service's does. Every round is also priced on the
+    curve, plus `host` seconds of work around each forward, against the target alone's one
+    forward per token (each answer's first token included on both sides, as a decode step);
+    the curve's own t_draft prices the drafting."""
     state: dict[str, float] = {}
-    seconds, rounds, drafted, accepted = 0.0, 0, 0, 0
+    seconds, priced, rounds, drafted, accepted = 0.0, 0.0, 0, 0, 0
     for prompt, answer in answers:
         spec = SpecParams(policy)
-        rule = request_policy(spec, state, PolicyResources(None, None), lambda: curve)
+        reference = tuple(answer) if policy == "oracle" else None  # the oracle's knowledge: what the target generates
+        rule = request_policy(spec, state, PolicyResources(reference, None), lambda: curve)
         session = drafter.open(vocab_size)
         generator = request_generator(sampling)
         seq, at = list(prompt), 0
@@ -79,13 +105,18 @@ def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int]
                 rule.observe(outcome)
             seconds += time.perf_counter() - t0
             rule.observe_pace(n + 1, curve.round_time(len(w.tokens)), w.ran)  # priced, not timed: alike every run
+            priced += curve.round_time(len(w.tokens)) + host
             rounds, drafted, accepted = rounds + 1, drafted + len(w.tokens), accepted + n
             seq += answer[at:at + n + 1]
             at += n + 1
         state = rule.state()
         session.close()
+    tokens = sum(len(a) for _, a in answers)
     return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-            "tokens_per_round": round(sum(len(a) for _, a in answers) / max(rounds, 1), 3),
+            "tokens_per_round": round(tokens / max(rounds, 1), 3),
+            "priced_ms_per_round": round(1e3 * priced / max(rounds, 1), 4),
+            # over the target alone on the same curve and host time, drafting at the curve's t_draft
+            "speedup_on_curve": round(tokens * (curve.t_target(1) + host) / priced, 4) if priced else None,
             "us_per_round": round(1e6 * seconds / max(rounds, 1), 1),
             "us_per_drafted": round(1e6 * seconds / max(drafted, 1), 1)}
 
@@ -97,8 +128,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--drafters", default="retrieval,ngram")
-    p.add_argument("--policies", default="cost-aware")
+    p.add_argument("--policies", default="cost-aware", help="comma-separated; 'oracle' drafts exactly "
+                   "what the target keeps: on --curve, the bound of any stopping policy for the drafter")
     p.add_argument("--curve", help="a gpu_check.json whose cost curve prices the windows (default: measured here)")
+    p.add_argument("--t-draft-ms", type=float, help="the price of a drafted token (default: the curve's); "
+                   "a serving engine prices drafting at the time it measures it taking")
     p.add_argument("--samplings", default="greedy,t1-seeded")
     p.add_argument("--repeats", type=int, default=3, help="replays of each cell; the fastest is kept")
     p.add_argument("--answers", type=Path, help="the target's answers: read from this file if it exists, else "
@@ -118,7 +152,8 @@ def main(argv=None) -> int:
     drafters = {}  # kind: (drafter, its frozen curve), built once for every sampling
     for kind in args.drafters.split(","):
         drafter = build_drafter(kind, target)
-        drafters[kind] = drafter, frozen_curve(args.curve, target, drafter)
+        t_draft = None if args.t_draft_ms is None else args.t_draft_ms * 1e-3
+        drafters[kind] = drafter, frozen_curve(args.curve, target, drafter, t_draft)
     for label in args.samplings.split(","):
         sampling = samplings[label]
         answers = [(ids, kept[label][i] if kept else alone.generate(ids, sampling, SpecParams("none")).token_ids)
@@ -126,7 +161,8 @@ def main(argv=None) -> int:
         written[label] = [a for _, a in answers]
         for kind, (drafter, curve) in drafters.items():
             for policy in args.policies.split(","):
-                runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size)
+                host = host_times(args.curve, curve)[label]
+                runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size, host)
                         for _ in range(args.repeats)]
                 best = min(runs, key=lambda r: r["us_per_round"])
                 out["cells"][f"{label} {kind}/{policy}"] = best

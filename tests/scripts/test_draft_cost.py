@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specd.bench.datasets import load_questions
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
@@ -38,3 +40,48 @@ def test_the_replay_drafts_the_engines_rounds(tmp_path, script, tiny_dirs):
         assert got["drafted"] > 0
         assert (got["rounds"], got["drafted"], got["accepted"]) == (
             sum(s.verifications for s in stats), sum(s.drafted for s in stats), sum(s.accepted for s in stats))
+
+
+def test_the_oracle_drafts_only_what_the_target_keeps_and_bounds_the_policy_on_the_curve(tmp_path, script, tiny_dirs):
+    module = script("draft_cost")
+    curve_file = tmp_path / "gpu_check.json"
+    ts = [1.6, 1.9, 2.0, 2.1, 2.2, 2.2, 2.3, 2.3, 2.6]
+    alone = {"seconds": 1.0, "tokens": 500}  # 2.0 ms a token: 0.4 ms of it beside the 1.6 ms forward
+    curve_file.write_text(json.dumps({
+        "target_alone": {"graphs": alone},
+        "speculation": {"baseline": "graphs", "t1_baseline": None,
+                        "cost_curve_ms": {"ngram": {"t_draft": 0.014, "t_target_k": ts}}}}))
+    # Answers that repeat the prompt's end, so that prompt lookup has something to find: the
+    # replay judges drafts against whatever answers it is given.
+    target = load_model(str(tiny_dirs[0]), "cpu", "float32")
+    prompts = [target.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True)
+               for q in load_questions(None, limit=3)]
+    answers = tmp_path / "answers.json"
+    answers.write_text(json.dumps({"greedy": [(ids[-12:] + [7, 8]) * 3 for ids in prompts], "t1-seeded": []}))
+    out = tmp_path / "draft_cost.json"
+    assert module.main(["--target-model", str(tiny_dirs[0]), "--prompts", "3", "--max-new-tokens", "42",
+                        "--drafters", "ngram", "--policies", "cost-aware,oracle,constant", "--samplings", "greedy",
+                        "--answers", str(answers), "--curve", str(curve_file), "--repeats", "1",
+                        "--out", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    oracle, policy, constant = (cells[f"greedy ngram/{p}"] for p in ("oracle", "cost-aware", "constant"))
+    assert oracle["drafted"] == oracle["accepted"] > 0
+    assert oracle["rounds"] <= min(policy["rounds"], constant["rounds"])
+    assert oracle["speedup_on_curve"] >= max(policy["speedup_on_curve"], constant["speedup_on_curve"])
+    # the price: each round's curve and host time against one 2.0 ms step per token
+    host = 0.4e-3
+    assert module.host_times(str(curve_file), module.frozen_curve(str(curve_file), None, None))["greedy"] == \
+        pytest.approx(host)
+    tokens = oracle["tokens_per_round"] * oracle["rounds"]
+    assert oracle["speedup_on_curve"] == pytest.approx(
+        tokens * 2.0 / (oracle["rounds"] * oracle["priced_ms_per_round"]), rel=1e-3)
+    # a drafted token priced above a whole step: cost-aware stops drafting, the oracle does not
+    dear = tmp_path / "dear.json"
+    assert module.main(["--target-model", str(tiny_dirs[0]), "--prompts", "3", "--max-new-tokens", "42",
+                        "--drafters", "ngram", "--policies", "cost-aware,oracle", "--samplings", "greedy",
+                        "--answers", str(answers), "--curve", str(curve_file), "--t-draft-ms", "5",
+                        "--repeats", "1", "--out", str(dear)]) == 0
+    priced = json.loads(dear.read_text())["cells"]
+    assert priced["greedy ngram/cost-aware"]["drafted"] < policy["drafted"] / 2
+    assert priced["greedy ngram/oracle"]["drafted"] == oracle["drafted"]
+    assert priced["greedy ngram/oracle"]["speedup_on_curve"] < oracle["speedup_on_curve"]
