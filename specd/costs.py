@@ -111,16 +111,27 @@ class CostCurve:
         self._ks = [float(k) for k in self.ks]
         self._ts = [float(t) for t in self.t_target_k]
         self._surface: tuple[float, float, float] | None = None  # (sessions, base, per_token) last asked
+        # The unscaled curve at each window size asked: a policy asks the same few sizes many
+        # times a round, and only `scale` moves while serving.
+        self._at: dict[float, float] = {}
 
     def t_target(self, k: float) -> float:
         """Interpolate inside the measured ks; extrapolate with a least-squares line beyond."""
+        t = self._at.get(k)
+        if t is None:
+            t = self._unscaled(k)
+            if len(self._at) < 1024:
+                self._at[k] = t
+        return self.scale * t
+
+    def _unscaled(self, k: float) -> float:
         ks, ts = self._ks, self._ts
         if ks[0] <= k <= ks[-1]:
-            return self.scale * interp(k, ks, ts)
+            return interp(k, ks, ts)
         if self._fit is None:
             self._fit = tuple(np.polyfit(ks, ts, 1)) if len(ks) > 1 else (0.0, float(ts[0]))
         slope, intercept = self._fit
-        return self.scale * float(max(intercept + slope * k, 0.0))
+        return float(max(intercept + slope * k, 0.0))
 
     def t_monotone(self, k: float) -> float:
         """t_target on the monotone (isotonic) fit of the measured curve: a forward over more
@@ -160,7 +171,9 @@ class CostCurve:
         forward emit: one token each where that is all that is known (their plain steps), else
         what they were seen to emit (their accepted drafts too: a slower forward delays those as
         well)."""
-        others = (self.others[0] if self.others_yield is None else self.others_yield) if self.loaded() else 0.0
+        if not self.loaded():  # round_time's sum, inlined: a policy asks several times per drafted token
+            return expected / (draft_len * self.t_draft + self.t_target(draft_len + 1) + self.overhead + spent)
+        others = self.others[0] if self.others_yield is None else self.others_yield
         return (expected + others) / (self.loaded_time(draft_len) + spent)
 
     def observe_load(self, other_sessions: int, other_tokens: int, other_yield: int | None = None) -> None:

@@ -200,3 +200,16 @@ def test_interp_is_numpys_to_the_last_bit():
         ys = [rng.random() * 0.05 for _ in xs]
         x = rng.choice([rng.uniform(-1, 41), float(rng.randint(0, 41)), float(rng.choice(xs))])
         assert interp(x, xs, ys) == float(np.interp(x, xs, ys))
+
+
+def test_a_window_size_asked_again_follows_the_scale_as_the_first_time():
+    # The curve keeps each size's unscaled time once asked; what it answers must be what a fresh
+    # curve with the same scale answers, before and after the scale follows the forwards.
+    live = CostCurve(1e-3, [1, 2, 4, 8], [0.020, 0.021, 0.025, 0.031])
+    sizes = [1, 3, 8, 12, 0.5, 2.5, 3, 12]
+    for observed in (None, 0.040, 0.015, 0.015):
+        if observed is not None:
+            live.observe_target(3, observed)
+        fresh = CostCurve(1e-3, [1, 2, 4, 8], [0.020, 0.021, 0.025, 0.031], scale=live.scale)
+        assert [live.t_target(k) for k in sizes] == [fresh.t_target(k) for k in sizes]
+    assert live.scale != 1.0
