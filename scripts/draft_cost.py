@@ -160,8 +160,8 @@ def main(argv=None) -> int:
                    for i, ids in enumerate(prompts)]
         written[label] = [a for _, a in answers]
         for kind, (drafter, curve) in drafters.items():
+            host = host_times(args.curve, curve)[label]
             for policy in args.policies.split(","):
-                host = host_times(args.curve, curve)[label]
                 runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size, host)
                         for _ in range(args.repeats)]
                 best = min(runs, key=lambda r: r["us_per_round"])
