@@ -38,9 +38,9 @@ from specd.models import load_model
 from specd.policies import PolicyResources, request_policy
 from specd.round import draft_window
 from specd.sampling import race_row, request_generator
+from specd.types import SamplingParams, SpecParams
 
 RACE_ROWS = 4  # seeded sampling: a round's first rows of race noise, drawn outside the timer
-from specd.types import SamplingParams, SpecParams
 
 
 def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None) -> CostCurve:

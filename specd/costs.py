@@ -171,8 +171,8 @@ class CostCurve:
         forward emit: one token each where that is all that is known (their plain steps), else
         what they were seen to emit (their accepted drafts too: a slower forward delays those as
         well)."""
-        if not self.loaded():  # round_time's sum, inlined: a policy asks several times per drafted token
-            return expected / (draft_len * self.t_draft + self.t_target(draft_len + 1) + self.overhead + spent)
+        if not self.loaded():  # a policy asks several times per drafted token: the short way
+            return expected / (self.round_time(draft_len) + spent)
         others = self.others[0] if self.others_yield is None else self.others_yield
         return (expected + others) / (self.loaded_time(draft_len) + spent)
 
