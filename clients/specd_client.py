@@ -130,13 +130,20 @@ class CoordinatorClient:
 
     def _stream(self, request: coordinator_pb2.GenerateRequest, timeout: float) -> Iterator[Chunk]:
         call = self.stub.Generate(request, timeout=timeout)
+        last = None
         try:
             for msg in call:
-                yield _chunk(msg)
+                chunk = _chunk(msg)
+                if chunk.finish_reason:
+                    last = chunk  # yielded once the call has ended OK: stopping at it cancels nothing
+                else:
+                    yield chunk
         except grpc.RpcError as e:
             raise from_rpc_error(e, SERVICE) from None
         finally:
             call.cancel()  # a no-op after a complete stream; frees the request when left early
+        if last is not None:
+            yield last
 
     def close(self) -> None:
         self.channel.close()
@@ -180,13 +187,20 @@ class AsyncCoordinatorClient:
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, policy=policy,
                                 policy_params=policy_params, overlap=overlap, **more)
         call = self.stub.Generate(request, timeout=timeout)
+        last = None
         try:
             async for msg in call:
-                yield _chunk(msg)
+                chunk = _chunk(msg)
+                if chunk.finish_reason:
+                    last = chunk  # yielded once the call has ended OK: stopping at it cancels nothing
+                else:
+                    yield chunk
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, SERVICE) from None
         finally:
             call.cancel()
+        if last is not None:
+            yield last
 
     async def close(self) -> None:
         if self.channel is not None:

@@ -10,7 +10,7 @@ import grpc
 from services.common.grpc_errors import from_rpc_error
 from services.common.security import GrpcSecurity
 from services.common.server import channel, check_health
-from services.coordinator.api import Event, GenerateRequest, ModelCard
+from services.coordinator.api import Event, FinishEvent, GenerateRequest, ModelCard
 from services.coordinator.convert import event_from_proto, request_to_proto
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.coordinator.v1 import coordinator_pb2_grpc
@@ -46,13 +46,22 @@ class RemoteBackend:
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         call = self.stub.Generate(request_to_proto(request), timeout=self.timeout_s)
+        finish = None
         try:
             async for msg in call:
-                yield event_from_proto(msg)
+                event = event_from_proto(msg)
+                if isinstance(event, FinishEvent):
+                    finish = event  # passed on once the call has ended (below)
+                else:
+                    yield event
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "coordinator") from None
         finally:
             call.cancel()  # a no-op after a complete stream; frees the request when we stopped early
+        # The gateway stops reading at the FinishEvent: were it passed on before the call's OK
+        # status came, closing this iterator would cancel an answered call (counted CANCELLED).
+        if finish is not None:
+            yield finish
 
     async def close(self) -> None:
         await self.channel.close()

@@ -127,6 +127,73 @@ def test_remote_backend_is_the_target_alone(chat_pair, coordinator_service, over
     assert finish.spec_stats["overlap"] == overlap and not finish.spec_stats["fallback"]
 
 
+def _generate_calls(coordinator_service) -> dict[str, float]:
+    """The coordinator's specd_grpc_requests_total for Generate, by final status code."""
+    return {s.labels["code"]: s.value for m in coordinator_service.servicer.registry.collect()
+            if m.name == "specd_grpc_requests" for s in m.samples
+            if s.name == "specd_grpc_requests_total" and s.labels["method"] == "Generate"}
+
+
+def test_a_caller_that_stops_at_the_finish_ends_the_call_as_ok_not_cancelled(coordinator_service, monkeypatch):
+    """The gateway stops reading at the FinishEvent and closes the iterator, as a client that
+    breaks at finish_reason does: the call must have ended OK by then, not be cancelled. Here the
+    service ends its calls late, as a loaded machine can (CI once counted 2 OK calls of 3)."""
+    coordinator = coordinator_service.servicer
+    generate = coordinator.generate
+
+    def ending_late(request):
+        async def events():
+            async for event in generate(request):
+                yield event
+            await asyncio.sleep(0.2)  # the call's status goes out after this
+
+        return events()
+
+    monkeypatch.setattr(coordinator, "generate", ending_late)
+
+    def request():
+        return GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_new_tokens=4), spec=SpecParams("constant"))
+
+    async def remote(n: int) -> None:
+        backend = RemoteBackend(coordinator_service.address)
+        await backend.connect()
+        try:
+            for _ in range(n):
+                events = backend.generate(request())
+                async for ev in events:
+                    if isinstance(ev, FinishEvent):
+                        break
+                await events.aclose()
+        finally:
+            await backend.close()
+
+    async def async_client(n: int) -> None:
+        async with AsyncCoordinatorClient(coordinator_service.address) as client:
+            for _ in range(n):
+                stream = client.generate(PROMPT, max_new_tokens=4, policy="constant")
+                async for chunk in stream:
+                    if chunk.finish_reason:
+                        break
+                await stream.aclose()
+
+    def sync_client(n: int) -> None:
+        with CoordinatorClient(coordinator_service.address) as client:
+            for _ in range(n):
+                stream = client.generate(PROMPT, max_new_tokens=4, policy="constant")
+                for chunk in stream:
+                    if chunk.finish_reason:
+                        break
+                stream.close()
+
+    n, before = 3, _generate_calls(coordinator_service)
+    asyncio.run(remote(n))
+    asyncio.run(async_client(n))
+    sync_client(n)
+    after = _generate_calls(coordinator_service)
+    assert after.get("OK", 0) - before.get("OK", 0) == 3 * n, (before, after)
+    assert after.get("CANCELLED", 0) == before.get("CANCELLED", 0), (before, after)
+
+
 @pytest.mark.parametrize("options, field", [
     ({"policy": "nope"}, "policy"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
