@@ -31,15 +31,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def stream(url: str, question: str, policy: str, max_tokens: int) -> int:
-    """One streamed chat completion; the completion tokens its usage reports."""
+def stream(url: str, question: str, policy: str, max_tokens: int, temperature: float = 1.0) -> int:
+    """One streamed chat completion; the completion tokens its usage reports. A refused or
+    failed request raises: counted as no tokens, it would shrink the work the CPU is divided by."""
     body = {"model": "specd", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "speculative": {"policy": policy}}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
+            "speculative": {"policy": policy}}
     with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
-            if line.startswith("data: {") and '"usage"' in line and (usage := json.loads(line[6:]).get("usage")):
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"in-stream error: {event['error']}")
+            if usage := event.get("usage"):
                 return usage["completion_tokens"]
-    return 0
+    raise RuntimeError("the stream ended without reporting its usage")
 
 
 def main(argv=None) -> int:
@@ -49,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--policies", default="none,cost-aware,none")
     p.add_argument("--concurrency", type=int, default=1, help="clients streaming at once")
+    p.add_argument("--temperature", type=float, default=1.0, help="of every request (OpenAI's default, 1)")
     p.add_argument("--target-model", default="embedded",
                    help="a fast target (a tiny model directory) leaves the services' own cost, as on a GPU")
     args = p.parse_args(argv)
@@ -68,7 +78,8 @@ def main(argv=None) -> int:
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
-                one = functools.partial(stream, "http://127.0.0.1:8000", policy=policy, max_tokens=args.max_tokens)
+                one = functools.partial(stream, "http://127.0.0.1:8000", policy=policy, max_tokens=args.max_tokens,
+                                        temperature=args.temperature)
                 tokens = sum(pool.map(one, questions))
             wall = time.perf_counter() - t0
             per_token = {name: round((cpu_seconds(pid) - before[name]) / tokens * 1e3, 2) for name, pid in pids.items()}
