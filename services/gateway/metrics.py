@@ -47,7 +47,7 @@ class GatewayMetrics:
         self.requests = Counter("specd_gateway_requests", "HTTP requests by route template and status",
                                 ["route", "status"], registry=self.registry)
         self.duration = Histogram("specd_gateway_request_duration_seconds",
-                                  "HTTP request duration until the response ended", ["route"],
+                                  "HTTP request duration until its last byte was sent (or it ended)", ["route"],
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
         self.key_requests = Counter("specd_gateway_key_requests",
                                     "generation requests per API key name and outcome", ["key", "outcome"],
@@ -76,8 +76,10 @@ class GatewayMetrics:
 
 class RequestCounter:
     """ASGI middleware counting each HTTP request once its status is known (a stream counts
-    when its headers go out) and timing it until it ends. Pure ASGI, not BaseHTTPMiddleware,
-    so that streaming responses and client disconnects pass through untouched."""
+    when its headers go out) and timing it until its last byte goes out (or, cut short, until
+    it ends): a client that has its whole answer, and then scrapes /metrics, finds the request
+    there. Pure ASGI, not BaseHTTPMiddleware, so that streaming responses and client
+    disconnects pass through untouched."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics):
         self.app = app
@@ -87,7 +89,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        counted = False
+        counted = timed = False
         start = time.perf_counter()
 
         def route() -> str:
@@ -99,9 +101,17 @@ class RequestCounter:
                 counted = True
                 self.metrics.requests.labels(route(), str(status)).inc()
 
+        def time_it() -> None:
+            nonlocal timed
+            if not timed:
+                timed = True
+                self.metrics.duration.labels(route()).observe(time.perf_counter() - start)
+
         async def send_counting(message: Message) -> None:
             if message["type"] == "http.response.start":
                 count(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                time_it()
             await send(message)
 
         self.metrics.active += 1
@@ -112,4 +122,4 @@ class RequestCounter:
             raise
         finally:
             self.metrics.active -= 1
-            self.metrics.duration.labels(route()).observe(time.perf_counter() - start)
+            time_it()
