@@ -48,13 +48,12 @@ def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None
     t_draft (seconds) replaces the price of a drafted token."""
     if path is None:
         curve = measure_cost_curve(target, drafter)
-        return CostCurve(curve.t_draft if t_draft is None else t_draft, curve.ks,
-                         [curve.scale * t for t in curve.t_target_k], smoothing=0.0)
-    doc = json.loads(Path(path).read_text())
-    c = next(iter(doc["speculation"]["cost_curve_ms"].values()))
-    ts = [t * 1e-3 for t in c["t_target_k"]]
-    return CostCurve(c["t_draft"] * 1e-3 if t_draft is None else t_draft, list(range(1, len(ts) + 1)), ts,
-                     smoothing=0.0)
+        measured, ks, ts = curve.t_draft, curve.ks, [curve.scale * t for t in curve.t_target_k]
+    else:
+        c = next(iter(json.loads(Path(path).read_text())["speculation"]["cost_curve_ms"].values()))
+        measured, ts = c["t_draft"] * 1e-3, [t * 1e-3 for t in c["t_target_k"]]
+        ks = list(range(1, len(ts) + 1))
+    return CostCurve(measured if t_draft is None else t_draft, ks, ts, smoothing=0.0)
 
 
 def host_times(path: str | None, curve: CostCurve) -> dict[str, float]:
@@ -149,20 +148,20 @@ def main(argv=None) -> int:
            "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
     samplings = {"greedy": SamplingParams(max_new_tokens=args.max_new_tokens),
                  "t1-seeded": SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens)}
-    drafters = {}  # kind: (drafter, its frozen curve), built once for every sampling
+    drafters = {}  # kind: (drafter, its frozen curve, host seconds per sampling), built once for every sampling
+    t_draft = None if args.t_draft_ms is None else args.t_draft_ms * 1e-3
     for kind in args.drafters.split(","):
         drafter = build_drafter(kind, target)
-        t_draft = None if args.t_draft_ms is None else args.t_draft_ms * 1e-3
-        drafters[kind] = drafter, frozen_curve(args.curve, target, drafter, t_draft)
+        curve = frozen_curve(args.curve, target, drafter, t_draft)
+        drafters[kind] = drafter, curve, host_times(args.curve, curve)
     for label in args.samplings.split(","):
         sampling = samplings[label]
         answers = [(ids, kept[label][i] if kept else alone.generate(ids, sampling, SpecParams("none")).token_ids)
                    for i, ids in enumerate(prompts)]
         written[label] = [a for _, a in answers]
-        for kind, (drafter, curve) in drafters.items():
-            host = host_times(args.curve, curve)[label]
+        for kind, (drafter, curve, host) in drafters.items():
             for policy in args.policies.split(","):
-                runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size, host)
+                runs = [replay(drafter, policy, curve, answers, sampling, target.vocab_size, host[label])
                         for _ in range(args.repeats)]
                 best = min(runs, key=lambda r: r["us_per_round"])
                 out["cells"][f"{label} {kind}/{policy}"] = best
