@@ -326,7 +326,8 @@ def test_a_gateway_spreads_requests_over_several_coordinators_and_outlives_one(c
         coordinator, server, _, _ = started[0]
         service_loop.run(server.stop(0))
         assert asyncio.run(run(4)) == [want] * 4
-        assert served(started[1][3]) == 7
+        # the survivor answers all four, on top of its share of the first six (not always three)
+        assert served(started[1][3]) == counts[1] + 4, counts
     finally:
         for coordinator, server, _, _ in started:
             service_loop.run(server.stop(0))
