@@ -3,8 +3,6 @@ every policy x drafter, exact EOS / max_new_tokens / stop-string handling, share
 
 from __future__ import annotations
 
-import time
-
 from dataclasses import replace
 
 import pytest
@@ -285,28 +283,43 @@ def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_d
     assert state["pace:drafted_tokens"] + state["pace:plain_tokens"] <= N
 
 
+class VirtualClock:
+    """Time for the engine's timers (`time.perf_counter` in specd.engine and specd.round) that
+    passes only as a test says: what a drafted token and a forward cost on its cost curve, so
+    that what cost-aware measures does not depend on how loaded the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class WrongDrafter(Drafter):
     """A deliberately bad drafter that is sure of itself: q(x) = 1 for a token the tiny target
-    almost never picks. It takes `seconds` a token, as the cost curve says: cost-aware also times
-    real rounds, and a drafter that claimed a cost it does not have would be judged on its speed."""
+    almost never picks. It takes `seconds` a token on `clock`, as the cost curve says: cost-aware
+    also times real rounds, and a drafter that claimed a cost it does not have would be judged on
+    its speed."""
 
     kind = "wrong"
     has_distribution = False
 
-    def __init__(self, seconds: float = 0.0):
-        self.seconds = seconds
+    def __init__(self, seconds: float, clock: VirtualClock):
+        self.seconds, self.clock = seconds, clock
 
     @property
     def name(self) -> str:
         return "wrong"
 
     def open(self, vocab_size: int | None = None) -> DraftSession:
-        seconds = self.seconds
+        seconds, clock = self.seconds, self.clock
 
         class Session(DraftSession):
             def next(self, seq, params, generator, want_hidden):
-                if seconds:
-                    time.sleep(seconds)
+                clock.sleep(seconds)
                 return DraftToken((seq[-1] * 7 + 3) % 97, None, 1.0, 1.0, 0.0)
 
             def rollback(self, length: int) -> None:
@@ -317,20 +330,42 @@ class WrongDrafter(Drafter):
 
 # A free drafter on a flat curve: a wrong window of 16 costs what a wrong window of 1 does, so it
 # stops drafting once the estimate says a first token is not worth its forward. A drafter that
-# costs half a step: its first window shrinks at once. Cost-aware also times real rounds, so the
-# costly drafter sleeps 20 ms a token: far more than the tiny target's real steps, and than what
-# a loaded CI adds to a plain round (with 5 ms, one stalled plain round made drafting look paying).
+# costs half a step: its first window shrinks at once. Cost-aware also times the rounds, on a
+# virtual clock here where drafts and forwards take what the curve says: on the real one, a
+# loaded machine's stalled plain steps made the costly drafter look paying (CI once saw 8
+# windows, with the drafter sleeping 20 ms a token: plain steps that stall 25 ms do it).
 @pytest.mark.parametrize("t_draft, most_windows", [(0.0, 10), (0.02, 3)])
 def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_request(tiny_target, hf_greedy, t_draft,
-                                                                                 most_windows):
+                                                                                 most_windows, monkeypatch):
     """Issue 31's cold start: empty state, a drafter that is nearly always wrong yet sure of itself
     (so the prior believes it). Within the one request cost-aware learns it: after a few windows
     it drafts none (plain steps) or at most one token, and the output is the target alone's."""
+    import specd.engine
+    import specd.round
+
     step = 2 * t_draft or 0.01  # the curve's one-token forward
     curve = CostCurve(t_draft, list(range(1, 18)), [step * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
-    engine = SpeculativeEngine(tiny_target, WrongDrafter(t_draft), costs=curve)
+    clock = VirtualClock()
+    monkeypatch.setattr(specd.engine, "time", clock)
+    monkeypatch.setattr(specd.round, "time", clock)
+    open_session = tiny_target.session
+
+    def session():  # each forward takes what the curve says
+        kv = open_session()
+        extend = kv.extend
+
+        def timed(ids, *args, **kwargs):
+            clock.sleep(step * (1 + 0.3 * (len(ids) > 1)))
+            return extend(ids, *args, **kwargs)
+
+        kv.extend = timed
+        return kv
+
+    monkeypatch.setattr(tiny_target, "session", session)
+    engine = SpeculativeEngine(tiny_target, WrongDrafter(t_draft, clock), costs=curve)
     out = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=48), SpecParams("cost-aware"))
     assert out.token_ids == hf_greedy(tiny_target.model, PROMPTS[1], 48)
+    assert clock.now > 0  # the engine's rounds ran on the virtual clock
     lengths = out.stats.draft_lengths  # of the rounds that drafted; the others were plain steps
     assert lengths[0] >= 3  # the prior trusted q(x) = 1 at first
     assert len(lengths) <= most_windows
