@@ -25,6 +25,7 @@ from specd.types import SamplingParams, SpecParams
 CONFIGS = {  # name: (policy, temperature, seed)
     "none": ("none", 0.0, None), "cost-aware": ("cost-aware", 0.0, None),
     "none-t1": ("none", 1.0, 0), "cost-aware-t1": ("cost-aware", 1.0, 0),
+    "none-t1-unseeded": ("none", 1.0, None), "cost-aware-t1-unseeded": ("cost-aware", 1.0, None),
 }
 
 

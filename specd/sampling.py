@@ -74,9 +74,20 @@ def request_generator(params: SamplingParams, device: torch.device | str = "cpu"
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token id per row of probs [..., V] -> [...]."""
+    """Draw one token id per row of probs [..., V] -> [...] (rows need not sum to 1).
+
+    Inverse-CDF: one uniform per row against the row's cumulative sum, which is kept in float64
+    so that no tail token's share rounds away over a long vocabulary. A token of probability 0
+    is never drawn. (torch.multinomial draws an Exp(1) per token instead: measured in
+    docs/engine.md, "Verification".)"""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=flat.device) * total
+    token = torch.searchsorted(cdf, u, right=True)  # the first whose cumulative sum exceeds u
+    # u can round up to the total: then the last token of positive probability
+    last = torch.searchsorted(cdf, total)
+    return torch.minimum(token, last).clamp_(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

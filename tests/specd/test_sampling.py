@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from specd.sampling import entropy, js_distance, logits_to_probs, race_noise, race_scores, sample
 from specd.types import SamplingParams
@@ -101,6 +102,31 @@ def test_sample_draws_from_each_row():
     g = torch.Generator().manual_seed(0)
     assert sample(probs, g).tolist() == [1, 2]
     assert sample(probs[0], g).shape == ()
+
+
+def test_sample_follows_each_row_never_drawing_a_token_of_probability_zero():
+    """Chi-square per row against its (unnormalised) weights; zeros at the ends and inside; the
+    negative control, the counts tested against the other row's weights, must fail."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.0, 1.5, 0.0],
+                            [0.0, 0.2, 0.4, 0.0, 0.1, 2.0, 0.1, 0.2, 0.0]])
+    n = 20_000
+    draws = sample(weights.expand(n, -1, -1), torch.Generator().manual_seed(5))
+    assert draws.shape == (n, 2)
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=weights.shape[1]).double()
+        assert counts[weights[row] == 0].sum() == 0, counts
+        kept = weights[row] > 0
+        expected = weights[row][kept].double() / weights[row].sum() * n
+        assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3
+        other = weights[1 - row][kept].double()
+        assert chisquare(counts[kept].numpy(), (other / other.sum() * n).numpy()).pvalue < 1e-6
+
+
+def test_a_uniform_that_rounds_up_to_the_total_draws_the_last_token_of_positive_probability(monkeypatch):
+    """u * total can round up to the total (u just below 1): past every cumulative sum, it must
+    draw the last token the row can produce, not one beyond it, nor a masked one."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert sample(torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]]), None).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 6, 1000])
