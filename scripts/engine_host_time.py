@@ -22,10 +22,11 @@ from specd.models.pool import PoolSession
 from specd.models.session import KVSession
 from specd.types import SamplingParams, SpecParams
 
-CONFIGS = {  # name: (policy, temperature, seed)
-    "none": ("none", 0.0, None), "cost-aware": ("cost-aware", 0.0, None),
-    "none-t1": ("none", 1.0, 0), "cost-aware-t1": ("cost-aware", 1.0, 0),
-    "none-t1-unseeded": ("none", 1.0, None), "cost-aware-t1-unseeded": ("cost-aware", 1.0, None),
+CONFIGS = {  # name: (policy, temperature, seed, top_p)
+    "none": ("none", 0.0, None, 1.0), "cost-aware": ("cost-aware", 0.0, None, 1.0),
+    "none-t1": ("none", 1.0, 0, 1.0), "cost-aware-t1": ("cost-aware", 1.0, 0, 1.0),
+    "none-t1-unseeded": ("none", 1.0, None, 1.0), "cost-aware-t1-unseeded": ("cost-aware", 1.0, None, 1.0),
+    "none-top-p": ("none", 0.7, None, 0.95), "cost-aware-top-p": ("cost-aware", 0.7, None, 0.95),
 }
 
 
@@ -56,8 +57,8 @@ def main(argv=None) -> int:
            for q in load_questions(args.dataset, limit=args.prompts)]
     engine.generate(ids[0], SamplingParams(max_new_tokens=8), SpecParams("cost-aware"))  # warm-up, cost curve
     for name in args.configs.split(","):
-        policy, temperature, seed = CONFIGS[name]
-        sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=args.max_new_tokens)
+        policy, temperature, seed, top_p = CONFIGS[name]
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=args.max_new_tokens)
         forward["s"], tokens, rounds = 0.0, 0, 0
         t0 = time.perf_counter()
         for prompt in ids:

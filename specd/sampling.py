@@ -53,14 +53,33 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # mass before this token already enough
-        drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        logits = _top_p(logits, params.top_p)
     return logits.softmax(-1)
+
+
+TOP_P_LOOKS = (64, 1024)  # how many of the most likely tokens top-p looks at, before sorting the row
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [..., V] with all but the smallest set of most likely tokens whose mass reaches
+    top_p set to -inf. The set is looked for among the first 64, then 1,024 by probability
+    (torch.topk), and only where it is longer in a sort of the whole row, which costs far more
+    (docs/engine.md, "Verification")."""
+    probs = logits.softmax(-1)
+    vocab = logits.shape[-1]
+    for k in (*(k for k in TOP_P_LOOKS if k < vocab), vocab):
+        if k < vocab:
+            values, order = torch.topk(probs, k, dim=-1)  # most likely first
+        else:
+            values, order = torch.sort(probs, dim=-1, descending=True)
+        before = values.cumsum(-1) - values  # the mass before each
+        # every row's set ends among these when their last is out (or of probability 0)
+        if k == vocab or bool(((before[..., -1] >= top_p) | (values[..., -1] == 0)).all()):
+            break
+    keep = before < top_p
+    keep[..., 0] = True  # the most likely token always stays (a top_p below float32's range is 0)
+    kept = logits.gather(-1, order).masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 
 
 def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:

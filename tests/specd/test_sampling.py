@@ -82,6 +82,37 @@ def test_extreme_parameters_give_the_most_likely_token_not_nan(params):
     assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [3, 0]
 
 
+def _top_p_by_sorting(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """top-p over a full sort of each row: what specd did before its top-k search."""
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, params.top_k, dim=-1).values[..., -1:], float("-inf"))
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= params.top_p
+    drop[..., 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf"))
+                                                          ).softmax(-1)
+
+
+@pytest.mark.parametrize("scale, temperature, top_k, top_p", [
+    (8.0, 0.7, 0, 0.9),  # peaked: the set ends among the first 64
+    (4.0, 1.0, 0, 0.9),  # among the first 1,024
+    (0.5, 1.0, 0, 0.95),  # flat: tens of thousands of tokens, the whole row sorted
+    (2.0, 0.7, 0, 0.5),
+    (2.0, 1.3, 40, 0.9),  # top-k first: fewer candidates than the first look
+    (4.0, 1.0, 0, 1e-9),  # only the most likely token
+])
+def test_top_p_keeps_the_tokens_a_full_sort_keeps(scale, temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 49_152, generator=g) * scale
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got, want = logits_to_probs(logits, params), _top_p_by_sorting(logits, params)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(logits_to_probs(logits[2], params), want[2])  # one row alone
+
+
 def test_top_k_then_top_p_compose():
     # top-k 3 renormalises [0.5, 0.3, 0.15] to [0.526, 0.316, 0.158]; top-p 0.8 then needs 2 tokens
     probs = logits_to_probs(_logits([0.5, 0.3, 0.15, 0.05]),
