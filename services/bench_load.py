@@ -57,6 +57,7 @@ def add_command(sub) -> None:
     b.add_argument("--offset", type=int, default=0, help="questions skipped first")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (sampled runs; 1: not sent)")
     b.add_argument("--seed", type=int, default=None, help="per-request seed (sampled runs)")
     b.add_argument("--modes", default="none,cost-aware", help="comma list: none, policy names, peer")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels ('' for none)")
@@ -112,6 +113,8 @@ def request_body(mode: str, messages: list[dict], args) -> dict:
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
     if args.seed is not None:
         body["seed"] = args.seed
+    if args.top_p < 1.0:
+        body["top_p"] = args.top_p
     if mode == "none":
         body["speculative"] = {"enabled": False}
     elif mode != "peer":
@@ -348,7 +351,7 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
 def report(doc: dict) -> str:
     a = doc["settings"]
     lines = [f"# bench-load: {a['limit']} prompts of {Path(a['dataset']).name}, {a['max_tokens']} tokens, "
-             f"T = {a['temperature']}", "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
+             f"T = {a['temperature']}" + (f", top-p {a['top_p']}" if a.get("top_p", 1.0) < 1.0 else ""), "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
              "| level | mode | output tok/s | req/s | TTFT p50/p95 ms | TPOT p50/p95 ms | e2e p50/p95/p99 ms "
              "| speedup vs none (median request) | identical to none | refused | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -19,7 +19,7 @@ OTHERS = ["Name three uses of a queue.", "What is a prime number?", "Write one s
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(model="specd", max_tokens=16, temperature=0.0, seed=None, concurrency="1,4", rates="",
+    base = dict(model="specd", max_tokens=16, temperature=0.0, top_p=1.0, seed=None, concurrency="1,4", rates="",
                 repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0, long_prompt_tokens=0, duration=0.0)
     return argparse.Namespace(**{**base, **kw})
 

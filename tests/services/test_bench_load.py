@@ -65,3 +65,14 @@ def test_the_machine_line_names_the_gpus_where_there_are_any(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
     assert _machine().endswith("CPUs; GPUs: NVIDIA H200")
+
+
+def test_a_request_says_the_sampling_asked_for_and_nothing_it_was_not():
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = bench_load.request_body("none", messages, _args(model="m", max_tokens=8, temperature=0.0, seed=None,
+                                                          top_p=1.0))
+    assert "top_p" not in plain and "seed" not in plain and plain["speculative"] == {"enabled": False}
+    nucleus = bench_load.request_body("cost-aware", messages, _args(model="m", max_tokens=8, temperature=0.7,
+                                                                    seed=3, top_p=0.95))
+    assert (nucleus["temperature"], nucleus["top_p"], nucleus["seed"]) == (0.7, 0.95, 3)
+    assert nucleus["speculative"] == {"policy": "cost-aware"}
