@@ -350,8 +350,9 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
 
 def report(doc: dict) -> str:
     a = doc["settings"]
+    sampling = f"T = {a['temperature']}" + (f", top-p {a['top_p']}" if a.get("top_p", 1.0) < 1.0 else "")
     lines = [f"# bench-load: {a['limit']} prompts of {Path(a['dataset']).name}, {a['max_tokens']} tokens, "
-             f"T = {a['temperature']}" + (f", top-p {a['top_p']}" if a.get("top_p", 1.0) < 1.0 else ""), "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
+             f"{sampling}", "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
              "| level | mode | output tok/s | req/s | TTFT p50/p95 ms | TPOT p50/p95 ms | e2e p50/p95/p99 ms "
              "| speedup vs none (median request) | identical to none | refused | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -76,3 +76,6 @@ def test_a_request_says_the_sampling_asked_for_and_nothing_it_was_not():
                                                                     seed=3, top_p=0.95))
     assert (nucleus["temperature"], nucleus["top_p"], nucleus["seed"]) == (0.7, 0.95, 3)
     assert nucleus["speculative"] == {"policy": "cost-aware"}
+    doc = {"settings": {"limit": 4, "dataset": "x.jsonl", "max_tokens": 8, "temperature": 0.7, "top_p": 0.95},
+           "machine": "m", "server": "s", "summary": {}, "compare": {}, "requests": {}}
+    assert bench_load.report(doc).splitlines()[0].endswith("8 tokens, T = 0.7, top-p 0.95")
