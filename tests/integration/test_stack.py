@@ -288,9 +288,9 @@ def test_eight_streams_with_a_model_drafter_share_draft_forwards_and_answer_as_t
 def _load_args():
     import argparse
 
-    return argparse.Namespace(model="specd", max_tokens=12, temperature=0.0, seed=None, concurrency="8", rates="",
-                              repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0, long_prompt_tokens=0,
-                              duration=0.0)
+    return argparse.Namespace(model="specd", max_tokens=12, temperature=0.0, top_p=1.0, seed=None, concurrency="8",
+                              rates="", repeats=1, slo_ttft_ms=None, slo_tpot_ms=None, timeout=120.0,
+                              long_prompt_tokens=0, duration=0.0)
 
 
 def test_the_hybrid_drafter_with_draft_trees_answers_as_the_target(stack, reference):
