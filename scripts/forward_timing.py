@@ -17,7 +17,7 @@ import time
 import torch
 
 from specd.models import load_model
-from specd.models.lean import LeanLlama
+from specd.models.lean import LeanModel
 from specd.models.session import KVSession, hf_forward
 
 SIZES = (1, 2, 4, 6, 8, 16)
@@ -44,7 +44,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, device=args.device, dtype="float32")
-    lean = LeanLlama(target.model)
+    lean = LeanModel(target.model)
     sessions = {"hf": KVSession(hf_forward(target.model), target.device),
                 "lean": KVSession(lean.forward, target.device, lean.new_cache())}
     vocab = target.vocab_size

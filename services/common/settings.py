@@ -110,6 +110,10 @@ class DraftSettings(ModelSettings, EarlyExitFields):
                                       "them is refused and its request goes on with the target alone. 0: no "
                                       "pool, each session drafts alone")
     kv_max_len: int = Field(4608, ge=2, le=1 << 20, description="positions of one KV slot (as the target's)")
+    kv_memory_fraction: float = Field(0.8, gt=0.0, le=1.0,
+                                      description="share of the device's free memory (on the CPU, of "
+                                                  "available RAM) the draft's KV pool may take (as the "
+                                                  "target's)")
     max_batch_size: int = Field(16, ge=1, le=256, description="most sessions' draft steps in one forward pass")
     load_draft_caps: str = Field("", description="let load cap every policy's window, as SESSIONS:CAP pairs: "
                                                  "'8:4,16:0' allows at most 4 drafts a window while 8 or more "
@@ -158,10 +162,15 @@ class TargetSettings(ModelSettings):
                                               "sessions than the start-up cost surface allows are open. 0: only "
                                               "kv_slots limits sessions")
     kv_slots: int = Field(16, ge=0, le=4096,
-                          description="sessions the preallocated KV pool holds; a session beyond them is "
-                                      "refused at once (RESOURCE_EXHAUSTED). 0: no pool, each session "
-                                      "grows its own cache (also used for models the lean forward "
-                                      "does not support)")
+                          description="sessions the preallocated KV pool holds, at most (kv_memory_fraction "
+                                      "may hold fewer); a session beyond them is refused at once "
+                                      "(RESOURCE_EXHAUSTED). 0: no pool, each session grows its own cache "
+                                      "with no cap on their number or memory")
+    kv_memory_fraction: float = Field(0.8, gt=0.0, le=1.0,
+                                      description="share of the device's free memory (after the weights; "
+                                                  "on the CPU, of available RAM) the KV pool may take: "
+                                                  "it holds fewer than kv_slots sessions where they would "
+                                                  "not fit, and start-up fails where not one fits")
     kv_max_len: int = Field(4608, ge=2, le=1 << 20,
                             description="positions (prompt and answer) of one KV slot, at most the model's "
                                         "context")
@@ -180,8 +189,8 @@ class TargetSettings(ModelSettings):
     tensor_parallel: int = Field(1, ge=1, le=64,
                                  description="shard every layer's heads and MLP columns over this many processes "
                                              "(one GPU each, or CPU processes over gloo), started by the command "
-                                             "itself with torchrun; rank 0 serves. Needs a plain Llama model whose "
-                                             "heads split evenly and a KV pool")
+                                             "itself with torchrun; rank 0 serves. Needs a model specd's runtime "
+                                             "serves whose heads split evenly, and a KV pool")
     drafter: str = Field("none", pattern="^(none|ngram|retrieval)$",
                          description="a lookup drafter the target drafts with itself, for coordinators that "
                                      "ask it to: each round's window is drafted between the target's forwards, "

@@ -25,6 +25,7 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
     from specd.drafters import build_drafter
     from specd.drafters.early_exit import EarlyExitDrafter
     from specd.models import load_model
+    from specd.models.arch import unsupported
     from specd.models.lean import supports
     from specd.models.loading import model_name
     from specd.policies import AcceptanceHead, bundled_head_path
@@ -43,8 +44,13 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
     elif s.drafter == "hf":
         model = draft_model = load_model(s.draft_model or "", s.device, s.dtype, s.cache_dir, s.linear_kernels,
                                          s.forward, cuda_graphs="off")  # sessions without a slot cap
-    if draft_model is not None and s.kv_slots > 0 and supports(draft_model.model):
-        draft_model.use_pool(s.kv_slots, s.kv_max_len)  # sessions' draft steps then share forwards
+    if draft_model is not None and s.kv_slots > 0:
+        reason = unsupported(draft_model.model)
+        if reason is not None:  # never a slower path without a cap on sessions: say what is missing
+            raise InvalidRequest("draft_model", f"specd's runtime cannot serve {draft_model.name} exactly: {reason}")
+        pool = draft_model.use_pool(s.kv_slots, s.kv_max_len, memory_fraction=s.kv_memory_fraction)
+        log.info("draft %s (%s) on specd's runtime: KV pool of %d slots x %d positions", draft_model.name,
+                 draft_model.model.config.model_type, pool.num_slots, pool.max_len)  # draft steps share forwards
     drafter = build_drafter(s.drafter, model, draft_model, s.draft_layers, s.draft_adapter, s.datastore,
                             model_name(s.target_model))
     if isinstance(drafter, EarlyExitDrafter) and s.kv_slots > 0 and supports(model.model):

@@ -63,21 +63,25 @@ def load_target(s: TargetSettings):
 def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
     """Open sessions in a preallocated KV pool (and capture CUDA graphs) where the settings and
     the model allow; otherwise sessions keep growing caches of their own."""
-    from specd.models.lean import supports
+    from specd.models.arch import unsupported
 
     if s.kv_slots == 0:
+        log.warning("target %s: kv_slots 0, no KV pool: sessions grow their own caches, and nothing caps "
+                    "their number or memory", target.name)
         return
-    if not supports(target.model):
-        log.warning("target %s: no KV pool (the lean forward does not support this model)", target.name)
-        return
+    reason = unsupported(target.model)
+    if reason is not None:  # never a slower path without admission: say what is missing
+        raise InvalidRequest("model", f"specd's runtime cannot serve {target.name} exactly: {reason}")
     graphs = graphs_allowed and (s.cuda_graphs in ("on", "compiled")
                                  or (s.cuda_graphs == "auto" and target.device.type == "cuda"))
     if graphs:  # auto: each layer through torch.compile, as `compiled`, falling back to plain graphs
         compiled = "on" if s.cuda_graphs in ("auto", "compiled") else "off"
     else:
         compiled = s.cpu_compile if graphs_allowed else "off"
-    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir)
-    log.info("target KV pool: %d slots x %d positions, %.2f GiB", pool.num_slots, pool.max_len,
+    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir,
+                           memory_fraction=s.kv_memory_fraction)
+    log.info("target %s (%s) on specd's runtime: KV pool of %d slots x %d positions, %.2f GiB", target.name,
+             target.model.config.model_type, pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
     if graphs:
         seconds = capture_graphs(pool.runner, fallback=s.cuda_graphs == "auto")

@@ -34,7 +34,7 @@ from torch import nn
 
 from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab, read_adapter_meta, shallow_decoder
 from specd.errors import InvalidRequest, ModelError
-from specd.models.lean import LeanLlama
+from specd.models.lean import LeanModel
 from specd.models.loading import LoadedModel
 from specd.models.pool import KVPool
 from specd.models.session import KVSession
@@ -93,7 +93,7 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
             self.extra_layer = copy.deepcopy(base.layers[layers]).to(target.device).eval()
             kept.append(self.extra_layer)
         self.decoder = shallow_decoder(base, kept)
-        self._lean: LeanLlama | None = None  # built by the first lean session
+        self._lean: LeanModel | None = None  # built by the first lean session
         self._kv_pool: KVPool | None = None  # built by the first session when the target has a pool
         self.lm_head = target.model.get_output_embeddings()
         self.adapter = ResidualAdapter(target.model.config.hidden_size, rank).to(target.device, dtype).eval()
@@ -153,7 +153,7 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         if self.target.forward_kind() != "lean":
             return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size)
         if self._lean is None:
-            self._lean = LeanLlama(self.target.model, list(self.decoder.layers))
+            self._lean = LeanModel(self.target.model, list(self.decoder.layers))
         # new_cache re-fuses weights that changed since the last session (training the layer adapter)
         return ModelDraftSession(KVSession(self.lean_forward, self.target.device, self._lean.new_cache()), vocab_size)
 
@@ -162,7 +162,7 @@ def _pool_of(drafter: EarlyExitDrafter, slots: int, max_len: int) -> KVPool:
     """The drafter's own KV pool (CUDA graphs too, if the target's forwards are captured)."""
     target = drafter.target.pool
     if drafter._lean is None:
-        drafter._lean = LeanLlama(drafter.target.model, list(drafter.decoder.layers))
+        drafter._lean = LeanModel(drafter.target.model, list(drafter.decoder.layers))
 
     def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, adapted = drafter.head_logits(h, True)

@@ -114,7 +114,8 @@ class AotRunner:
         assert pool.device.type == "cpu" and not pool.fused, "ahead-of-time forwards are for the CPU pool"
         self.pool = pool
         self.kv = [pool.k[i] for i in range(pool.k.shape[0])] + [pool.v[i] for i in range(pool.v.shape[0])]
-        self.tables = (pool.cos, pool.sin)  # rotary cos and sin for every column: as long as the pool's slots
+        # rotary cos and sin for every column, per rotary kind: as long as the pool's slots
+        self.tables = tuple(t for pair in pool.tables for t in pair)
         self._spans = torch.empty(pool.max_len)
         self.runs = self.eager = 0
         self.compile_seconds = 0.0  # spent compiling in this process (0: loaded from the cache)
@@ -186,7 +187,7 @@ class AotRunner:
         # max_len, was compiled in, and a pool with longer slots that loaded the library aborted
         # on its first position past it (an index check in the compiled loops).
         shapes = (row_dims, row_dims, row_dims, row_dims, {0: batch}, {0: span}, {0: real}, [{0: slots, 2: columns}] * len(self.kv),
-                  ({0: columns}, {0: columns}))
+                  tuple({0: columns} for _ in self.tables))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Step(p), self._args(self._example()), dynamic_shapes=shapes)

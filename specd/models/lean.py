@@ -1,5 +1,6 @@
-"""A lean forward for Llama-architecture targets: the same arithmetic as transformers' Llama
-forward, without its per-call machinery.
+"""A lean forward for the decoder families specd serves (Llama 2/3, Mistral, Qwen2/2.5/3,
+Gemma 2/3, Phi-3; specd.models.arch says where they differ): the same arithmetic as
+transformers' forward of the model, without its per-call machinery.
 
 A one-token step of the embedded 135M model spends about a third of its time outside the
 matrix products (docs/engine.md, "The lean forward"): transformers' module calls, mask and
@@ -9,7 +10,11 @@ the ones transformers computes, and cuts the rest:
 
 - q/k/v and gate/up are each one matrix product (their weights concatenated once, packed for
   oneDNN where the model's linears are), so 4 products per layer instead of 7;
-- the rotary cos/sin rows are computed once per position, with transformers' formula;
+- the rotary cos/sin rows are computed once per position, by the model's own rotary module
+  (so every scaling transformers implements is the model's own); a scaling that depends on
+  the sequence's length (dynamic, longrope) is applied per position, as transformers applies
+  it when decoding one token at a time, so a position's keys do not depend on how the
+  sequence was split into forwards (which speculation changes);
 - keys/values live in buffers that grow by doubling (`FlatCache`), so a step writes its own
   columns instead of copying the whole cache;
 - the causal mask of a window is built once per call, not once per layer.
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
 from specd.models import rows
+from specd.models.arch import Arch, describe, unsupported
 from specd.models.kernels import PackedLinear, RowsLinear, onednn_available, single_row
 
 FORWARDS = ("auto", "lean", "hf")
@@ -107,13 +113,12 @@ def check_forward(forward: str) -> None:
 
 def choose_forward(model: torch.nn.Module, forward: str, device: torch.device) -> str:
     """lean or hf. auto: lean for a supported float32 model on the CPU, where it computes
-    transformers' logits bit for bit (tests/specd/models/test_lean.py) and is faster; hf
-    elsewhere until it has been measured there (a GPU; bfloat16, where the fused products
-    round differently)."""
+    transformers' logits (bit for bit for Llama, tests/specd/models/test_lean.py) and is
+    faster; hf elsewhere until it has been measured there (a GPU; bfloat16, where the fused
+    products round differently). A GPU's sessions run in the KV pool either way."""
     check_forward(forward)
     if forward == "lean" and not supports(model):
-        raise InvalidRequest("forward", "lean needs a plain Llama model on one device (rotary "
-                                        "embeddings without scaling, no biases, SiLU, SDPA attention)")
+        raise InvalidRequest("forward", f"the lean forward cannot run this model: {unsupported(model)}")
     if forward == "auto":
         weight = model.get_input_embeddings().weight
         plain = device.type == "cpu" and weight.dtype == torch.float32
@@ -122,18 +127,9 @@ def choose_forward(model: torch.nn.Module, forward: str, device: torch.device) -
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether the lean forward computes what this model's own forward computes: a Llama causal
-    LM on one device, with plain rotary embeddings, no biases, SiLU and SDPA attention."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) != "llama":
-        return False
-    if getattr(model, "hf_device_map", None):
-        return False
-    rope = getattr(config, "rope_parameters", None) or {}
-    return (rope.get("rope_type", "default") == "default" and not config.attention_bias
-            and not config.mlp_bias and config.hidden_act == "silu"
-            and getattr(config, "_attn_implementation", "sdpa") == "sdpa"
-            and getattr(config, "pretraining_tp", 1) == 1)
+    """Whether the lean forward computes what this model's own forward computes
+    (specd.models.arch.unsupported names what it lacks)."""
+    return unsupported(model) is None
 
 
 def _fused(layers: list[torch.nn.Linear]):
@@ -172,53 +168,99 @@ def _fused(layers: list[torch.nn.Linear]):
     return plain
 
 
-class LeanLlama:
-    """The lean forward of one transformers Llama model (reads its weights; copies q/k/v and
-    gate/up once, concatenated). Call `forward` as a specd ForwardFn.
+def _eps(norm: torch.nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+class Layer:
+    """One decoder layer as the lean forward runs it: its norms, the fused q/k/v and gate/up
+    products (and their biases), the output products, its sliding window and rotary table."""
+
+    __slots__ = ("down", "gate_up", "gate_up_bias", "k_norm", "norm_attn", "norm_in", "norm_mlp_in", "norm_mlp_out",
+                 "o", "q_norm", "qkv", "qkv_bias", "rope", "sources", "window")
+
+    def __init__(self, layer: torch.nn.Module, arch: Arch, index: int, rope: int):
+        a, m = layer.self_attn, layer.mlp
+        qkv = [a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj]  # Phi-3 fuses its own
+        gate_up = [m.gate_up_proj] if hasattr(m, "gate_up_proj") else [m.gate_proj, m.up_proj]
+        self.sources = qkv + gate_up  # the linears the fused products copy (LeanModel._stamps)
+        self.qkv, self.qkv_bias = _fused(qkv), _bias(qkv)
+        self.gate_up, self.gate_up_bias = _fused(gate_up), _bias(gate_up)
+        self.o, self.down = a.o_proj, m.down_proj
+        self.norm_in = layer.input_layernorm
+        if arch.sandwich:  # Gemma: post_attention_layernorm norms the attention's output
+            self.norm_attn, self.norm_mlp_in = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            self.norm_mlp_out = layer.post_feedforward_layernorm
+        else:
+            self.norm_attn, self.norm_mlp_in, self.norm_mlp_out = None, layer.post_attention_layernorm, None
+        self.q_norm, self.k_norm = (a.q_norm, a.k_norm) if arch.qk_norm else (None, None)
+        self.window = arch.windows[min(index, len(arch.windows) - 1)]
+        self.rope = rope
+
+
+def _bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The fused product's bias: the linears' biases side by side (zeros where one has none)."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                      for m in linears])
+
+
+class LeanModel:
+    """The lean forward of one transformers causal LM of a family specd.models.arch describes
+    (reads its weights; copies q/k/v and gate/up once, concatenated). Call `forward` as a specd
+    ForwardFn.
 
     layers: the decoder layers to run (default the model's own); an early-exit drafter passes
     the target's first k layers and its adapter layer, and reads `hidden`, the final-normed
     state, instead of the logits."""
 
     def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None):
-        assert supports(model), "lean forward: not a plain Llama model"
+        reason = unsupported(model)
+        assert reason is None, f"lean forward: {reason}"
         config = model.config
         inner = model.model
         self.model = model
+        self.arch = describe(model)
         self.decoder_layers = list(inner.layers if layers is None else layers)
-        self.embed = inner.embed_tokens
+        self.embed = inner.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.groups = self.heads // self.kv_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.arch.scaling
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self._sources = [(layer.self_attn, layer.mlp) for layer in self.decoder_layers]
+        kinds = list(dict.fromkeys(self.arch.rope_kinds))  # Gemma 3: its local and global layers' tables
+        self._rope_kinds = kinds
+        self._layer_rope = [kinds.index(self.arch.rope_kinds[min(self._index(layer, i), len(self.arch.rope_kinds) - 1)])
+                            for i, layer in enumerate(self.decoder_layers)]
+        self._rotary = _RotaryTables(inner.rotary_emb, config, kinds)
         self._fuse()
-        self.inv_freq = inner.rotary_emb.inv_freq
-        self.rope_scale = inner.rotary_emb.attention_scaling
+
+    @staticmethod
+    def _index(layer: torch.nn.Module, i: int) -> int:
+        return getattr(layer.self_attn, "layer_idx", i)
 
     def _fuse(self) -> None:
-        self.layers = []
-        for layer in self.decoder_layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv, gate_up = _fused([a.q_proj, a.k_proj, a.v_proj]), _fused([m.gate_proj, m.up_proj])
-            self.layers.append((layer.input_layernorm, qkv, a.o_proj, layer.post_attention_layernorm, gate_up,
-                                m.down_proj))
+        self.layers = [Layer(layer, self.arch, self._index(layer, i), self._layer_rope[i])
+                       for i, layer in enumerate(self.decoder_layers)]
         self._fused_from = self._stamps()
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.rotary_dim = self._rotary.dim
+        empty = torch.empty(0, self.rotary_dim, dtype=self.dtype, device=self.device)
+        self.tables = [(empty, empty) for _ in self._rope_kinds]  # per rotary kind: cos, sin [positions, dim]
 
     def _stamps(self) -> list[tuple]:
         """What the fused copies were made from: each source weight's storage, dtype and
         in-place version (an inference tensor has none; nothing here writes weights in
         inference mode)."""
         return [(p.weight.data_ptr(), p.weight.dtype, -1 if p.weight.is_inference() else p.weight._version)
-                for a, m in self._sources for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)]
+                for layer in self.layers for p in layer.sources]
 
     def _refresh(self) -> None:
         if self._stamps() != self._fused_from:  # a source weight was replaced, converted or changed
@@ -230,28 +272,48 @@ class LeanLlama:
         self._refresh()
         return FlatCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def _rope(self, past: int, t: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] for the new tokens, as LlamaRotaryEmbedding computes them: at
-        past .. past + t - 1, or at the given positions (a draft tree's, never beyond those)."""
-        need = past + t
-        if need > self._cos.shape[0]:
-            n = max(need, 2 * self._cos.shape[0], 512)
-            pos = torch.arange(n, device=self.device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq.to(device=self.device, dtype=torch.float)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = (emb.cos() * self.rope_scale).to(self.dtype)
-            self._sin = (emb.sin() * self.rope_scale).to(self.dtype)
+    # rotary positions ---------------------------------------------------------------------
+
+    def rope_tables(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per rotary kind, cos and sin [>= length, rotary_dim] (grown by doubling)."""
+        have = self.tables[0][0].shape[0]
+        if length > have:
+            n = max(length, 2 * have, 512)
+            self.tables = [self._rotary.extend(kind, old, n, self.dtype, self.device)
+                           for kind, old in zip(self._rope_kinds, self.tables)]
+        return self.tables
+
+    def _rope(self, past: int, t: int, positions: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per rotary kind cos, sin [T, rotary_dim] for the new tokens: at past .. past + t - 1, or
+        at the given positions (a draft tree's, never beyond those)."""
+        tables = self.rope_tables(past + t)
         if positions is None:
-            return self._cos[past:need], self._sin[past:need]
-        return self._cos[positions], self._sin[positions]
+            return [(c[past:past + t], s[past:past + t]) for c, s in tables]
+        return [(c[positions], s[positions]) for c, s in tables]
+
+    # the layer's arithmetic, shared by every exact forward (this one and KVPool.hidden) ------
+
+    def rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm, in transformers' order of operations."""
+        if self.arch.gemma_norm:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _eps(norm))
+            return (h * (1.0 + norm.weight.float())).type_as(x)
+        return self._rms(norm, x)
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + norm.variance_epsilon)
+        h = h * torch.rsqrt(variance + _eps(norm))
         return norm.weight * h.to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == x.shape[-1]:
+            return self._rotate(x, cos, sin)
+        r = self.rotary_dim  # partial rotary (Phi-3's partial_rotary_factor): the rest passes through
+        return torch.cat([self._rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -259,10 +321,86 @@ class LeanLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
+    def project_qkv(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        qkv = layer.qkv(x)
+        return qkv if layer.qkv_bias is None else qkv + layer.qkv_bias
+
+    def split_heads(self, layer: Layer, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, D], k [B, kv_heads, T, D] (q/k-normed where the model norms them, not
+        rotated yet) and v [B, T, kv_heads, D] of a q/k/v product [B, T, C]."""
+        batch, width = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(batch, width, self.heads, self.head_dim)
+        k = k.view(batch, width, self.kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q, k = self.rms(layer.q_norm, q), self.rms(layer.k_norm, k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.view(batch, width, self.kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] under a bool mask
+        (True: attend), [B, heads, T, D]. SDPA shares each KV head among its query heads
+        (enable_gqa); where transformers repeats the KV heads instead the result is the same to
+        the bit (tests/specd/models/test_lean.py). Soft-capped scores (Gemma 2) go the way of
+        transformers' eager attention, which SDPA cannot take."""
+        cap = self.arch.attn_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=self.groups > 1)
+        if self.groups > 1:
+            keys, values = keys.repeat_interleave(self.groups, 1), values.repeat_interleave(self.groups, 1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        scores = torch.tanh(scores / cap) * cap
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        elif mask is not None:  # additive (a draft tree's, specd.tree.tree_mask)
+            scores = scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, values)
+
+    def finish(self, layer: Layer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer after attention: the output product, the residual sums and the MLP."""
+        a = layer.o(out)
+        if layer.norm_attn is not None:
+            a = self.rms(layer.norm_attn, a)
+        h = h + a
+        x = self.rms(layer.norm_mlp_in, h)
+        gate_up = layer.gate_up(x)
+        if layer.gate_up_bias is not None:
+            gate_up = gate_up + layer.gate_up_bias
+        gate, up = gate_up.chunk(2, dim=-1)
+        m = layer.down(self.arch.act(gate) * up)
+        if layer.norm_mlp_out is not None:
+            m = self.rms(layer.norm_mlp_out, m)
+        return h + m
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.rms(self.norm, h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed states, soft-capped where the model caps (Gemma)."""
+        logits = self.lm_head(h)
+        cap = self.arch.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @staticmethod
+    def window_mask(mask: torch.Tensor | None, window: int | None, key_pos: torch.Tensor,
+                    query_pos: torch.Tensor) -> torch.Tensor | None:
+        """A layer's mask: the causal (or tree) mask, and for a sliding layer only the keys within
+        `window` positions of the query (transformers': key > query - window)."""
+        if window is None:
+            return mask
+        near = key_pos > query_pos[..., None] - window
+        return near if mask is None else mask & near
+
+    # the forward ------------------------------------------------------------------------------
+
     def forward(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int, want_hidden: bool,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         h = self.hidden(input_ids, cache, num_logits, attention_mask, position_ids)
-        logits = self.lm_head(h)
+        logits = self.logits(h)
         return logits[0], (h[0] if want_hidden else None)
 
     def hidden(self, input_ids: torch.Tensor, cache: FlatCache, num_logits: int,
@@ -271,31 +409,81 @@ class LeanLlama:
         assert input_ids.shape[0] == 1, "the lean forward runs one sequence"
         past = cache.lens[0]
         t = input_ids.shape[1]
-        cos, sin = self._rope(past, t, None if position_ids is None else position_ids[0])
-        cos, sin = cos[None, None], sin[None, None]  # [1, 1, T, D]
+        tables = [(c[None, None], s[None, None])  # [1, 1, T, D]
+                  for c, s in self._rope(past, t, None if position_ids is None else position_ids[0])]
         mask = attention_mask
         if mask is None and t > 1:  # causal over the cache and the window, what transformers builds
             mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)[None, None]
+        masks = {None: mask}
+        if any(layer.window is not None for layer in self.layers):
+            query = (torch.arange(past, past + t, device=self.device) if position_ids is None
+                     else position_ids[0].to(self.device))
+            keys = torch.arange(past + t, device=self.device)
+            for w in {layer.window for layer in self.layers} - {None}:
+                if past + t > w:
+                    if mask is None:
+                        base = torch.ones(1, 1, t, past + t, dtype=torch.bool, device=self.device)
+                    else:
+                        base = mask if mask.dtype == torch.bool else mask == 0
+                    masks[w] = self.window_mask(base, w, keys, query)
+                else:
+                    masks[w] = mask
         h = self.embed(input_ids)
-        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
-            x = self._rms(norm_in, h)
-            qkv = qkv_proj(x)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
-            keys, values = cache.update(k, v, i)
-            # SDPA shares each KV head among its query heads (enable_gqa). For a window
-            # transformers repeats the KV heads instead; the result is the same to the bit
-            # (tests/specd/models/test_lean.py) without copying the whole cache on every layer.
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=self.groups > 1)
-            out = out.transpose(1, 2).reshape(1, t, self.q_size)
-            h = h + o_proj(out)
-            x = self._rms(norm_post, h)
-            gate_up = gate_up_proj(x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + down_proj(F.silu(gate) * up)
-        return self._rms(self.norm, h[:, -num_logits:])
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rope]
+            x = self.rms(layer.norm_in, h)
+            q, k, v = self.split_heads(layer, self.project_qkv(layer, x))
+            q = self.rotate(q, cos, sin)
+            k = self.rotate(k, cos, sin)
+            keys, values = cache.update(k, v.transpose(1, 2), i)
+            out = self.attend(q, keys, values, masks[layer.window])
+            h = self.finish(layer, h, out.transpose(1, 2).reshape(1, t, self.q_size))
+        return self.final_norm(h[:, -num_logits:])
+
+
+class _RotaryTables:
+    """cos/sin rows from the model's own rotary module, per rotary kind (a copy of the module:
+    a dynamic scaling's state is the copy's, never the model's)."""
+
+    def __init__(self, rotary: torch.nn.Module, config, kinds: list[str | None]):
+        import copy
+
+        self.rotary = copy.deepcopy(rotary)
+        self.kinds = kinds
+        rope_types = getattr(self.rotary, "rope_type", "default")
+        self.types = {k: (rope_types[k] if isinstance(rope_types, dict) else rope_types) for k in kinds}
+        self.original = {}
+        for k in kinds:
+            params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+            params = params[k] if k is not None else params
+            self.original[k] = int(params.get("original_max_position_embeddings")
+                                   or getattr(config, "original_max_position_embeddings", None)
+                                   or config.max_position_embeddings)
+        cos, _ = self._rows(kinds[0], 0, 1, torch.float32, None)
+        self.dim = cos.shape[-1]
+
+    def _rows(self, kind, start: int, stop: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = next(self.rotary.buffers(), None)
+        on = buffer.device if buffer is not None else device
+        x = torch.empty(0, dtype=dtype, device=on)
+        pos = torch.arange(start, stop, device=on)[None]
+        cos, sin = self.rotary(x, pos) if kind is None else self.rotary(x, pos, kind)
+        return cos[0], sin[0]
+
+    @torch.inference_mode()
+    def extend(self, kind, old: tuple[torch.Tensor, torch.Tensor], n: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table of kind grown to n positions (old's rows kept). A length-dependent scaling
+        gets each position's own: longrope's short factors up to the original context and its
+        long ones past it; dynamic's frequencies for a sequence ending at each position."""
+        start = old[0].shape[0]
+        split = min(max(start, self.original[kind]), n)
+        parts = [self._rows(kind, start, split, dtype, device)] if split > start else []
+        if "dynamic" in self.types[kind]:
+            parts += [self._rows(kind, p, p + 1, dtype, device) for p in range(split, n)]
+        elif n > split:
+            parts.append(self._rows(kind, split, n, dtype, device))
+        with torch.inference_mode(False):
+            cos = torch.cat([old[0]] + [p[0].to(device) for p in parts])
+            sin = torch.cat([old[1]] + [p[1].to(device) for p in parts])
+        return cos, sin

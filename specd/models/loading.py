@@ -4,6 +4,7 @@ causal-LM directory, and checks that a draft/target pair shares a tokenizer."""
 from __future__ import annotations
 
 import functools
+import logging
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -15,9 +16,12 @@ from specd.errors import InvalidRequest, ModelError
 from specd.models.aot import check_cpu_compile, use_compiled
 from specd.models.embedded import EMBEDDED_NAME, default_cache_dir, embedded_dir
 from specd.models.kernels import GEMV_MIN_WEIGHTS, check_kernels, use_kernels
-from specd.models.lean import LeanLlama, check_forward, choose_forward, supports
+from specd.models.arch import unsupported
+from specd.models.lean import LeanModel, check_forward, choose_forward, supports
 from specd.models.pool import KVPool, PoolSession
 from specd.models.session import KVSession, hf_forward
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME)
 
@@ -33,7 +37,7 @@ class LoadedModel:
     max_context: int
     eos_token_ids: frozenset[int]
     forward: str = "auto"  # auto | lean | hf: how KV sessions run the model (specd/models/lean.py)
-    _lean: LeanLlama | None = field(default=None, init=False, repr=False)
+    _lean: LeanModel | None = field(default=None, init=False, repr=False)
     pool: KVPool | None = field(default=None, init=False, repr=False)  # static KV slots, once enabled
 
     def __post_init__(self) -> None:
@@ -48,23 +52,30 @@ class LoadedModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
     def use_pool(self, slots: int, max_len: int | None = None, graphs: bool = False,
-                 compiled: str = "off", cache_dir: Path | None = None) -> KVPool:
+                 compiled: str = "off", cache_dir: Path | None = None,
+                 memory_fraction: float | None = None) -> KVPool:
         """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
         `max_len` positions (default the model's context), with forwards captured in CUDA
         graphs when `graphs` (a CUDA model only; `compiled` on: each layer through
         torch.compile, specd.models.graphs), or compiled ahead of time for the CPU when
         `compiled` is on (auto: where the model is large enough to gain, specd.models.aot).
-        Needs a model the lean forward supports."""
-        if not supports(self.model):
-            raise InvalidRequest("kv_slots", "a KV pool needs a plain Llama model on one device")
+        memory_fraction: the share of free device memory (of available RAM on the CPU) the pool
+        may take; fewer slots where `slots` would not fit (as vLLM's gpu_memory_utilization).
+        Needs a model the lean forward supports (specd.models.arch)."""
+        reason = unsupported(self.model)
+        if reason is not None:
+            raise InvalidRequest("kv_slots", f"a KV pool cannot run this model: {reason}")
         if graphs and self.device.type != "cuda":
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
         check_cpu_compile(compiled)
         if compiled == "on" and not graphs and not cpu_compilable(self.model, self.device):
             raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
         if self._lean is None:
-            self._lean = LeanLlama(self.model)
-        self.pool = KVPool(self._lean, slots, min(max_len or self.max_context, self.max_context))
+            self._lean = LeanModel(self.model)
+        length = min(max_len or self.max_context, self.max_context)
+        if memory_fraction is not None:
+            slots = slots_that_fit(self.model.config, self._lean.dtype, self.device, slots, length, memory_fraction)
+        self.pool = KVPool(self._lean, slots, length)
         self.max_context = self.pool.max_len  # what a session can hold now: prompts and windows are checked on it
         if graphs:
             from specd.models.graphs import GraphRunner
@@ -79,7 +90,7 @@ class LoadedModel:
             return self.pool.session()
         if self.forward_kind() == "lean":
             if self._lean is None:
-                self._lean = LeanLlama(self.model)
+                self._lean = LeanModel(self.model)
             return KVSession(self._lean.forward, self.device, self._lean.new_cache())
         return KVSession(hf_forward(self.model), self.device)
 
@@ -149,13 +160,51 @@ GRAPH_MEMORY_SHARE = 0.25  # of the free device memory, at most, for that pool
 MIN_POOL_LEN = 512
 
 
-def pool_length(config, dtype: torch.dtype, slots: int, context: int, free_bytes: int) -> int:
-    """Positions per slot for a pool of `slots` sessions in GRAPH_MEMORY_SHARE of free_bytes
-    (at most the context); 0 when not even MIN_POOL_LEN fit (then sessions grow their own caches)."""
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one position of a session holds over every layer."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now: the GPU's, or the RAM the kernel says is available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def slots_that_fit(config, dtype: torch.dtype, device: torch.device, slots: int, length: int,
+                   fraction: float) -> int:
+    """At most `slots` KV slots of `length` positions (and the trash slot and column) in `fraction`
+    of the device's free memory; InvalidRequest when not one fits."""
+    per_slot = kv_bytes_per_token(config, dtype) * (length + 1)
+    budget = int(fraction * free_memory(device))
+    fits = budget // per_slot - 1  # the trash slot
+    if fits < 1:
+        raise InvalidRequest("kv_memory_fraction", f"not one KV slot of {length} positions "
+                                                   f"({per_slot / 2**30:.2f} GiB) fits in {fraction:g} of the "
+                                                   f"free memory ({budget / 2**30:.2f} GiB): lower kv_max_len")
+    if fits < slots:
+        log.warning("KV pool: %d slots of %d positions fit in %g of the free memory, not %d", fits, length,
+                    fraction, slots)
+    return min(slots, fits)
+
+
+def pool_length(config, dtype: torch.dtype, slots: int, context: int, free_bytes: int) -> int:
+    """Positions per slot for a pool of `slots` sessions in GRAPH_MEMORY_SHARE of free_bytes
+    (at most the context); 0 when not even MIN_POOL_LEN fit (then sessions grow their own caches)."""
+    per_token = kv_bytes_per_token(config, dtype)
     fits = int(GRAPH_MEMORY_SHARE * free_bytes) // (slots * per_token) - 1  # the trash column
     length = min(context, fits)
     return length if length >= MIN_POOL_LEN else 0
@@ -211,11 +260,11 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
     if tensor_parallel is not None:
-        from specd.models.tp import shard_llama
+        from specd.models.tp import shard
 
         if not supports(model):
-            raise InvalidRequest("tensor_parallel", "tensor parallelism needs a plain Llama model (the lean forward)")
-        shard_llama(model, tensor_parallel)
+            raise InvalidRequest("tensor_parallel", f"tensor parallelism cannot run this model: {unsupported(model)}")
+        shard(model, tensor_parallel)
     use_kernels(model, linear_kernels, cache_dir)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
@@ -259,7 +308,13 @@ def model_name(spec: str) -> str:
 
 
 def _max_context(config) -> int:
-    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+    """Positions a session may hold: the model's context, times a dynamic rotary scaling's
+    factor (which exists to reach past it)."""
+    context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "dynamic" in str(rope.get("rope_type", "")) and rope.get("factor"):
+        context = int(context * float(rope["factor"]))
+    return context
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

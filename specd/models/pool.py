@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from specd.errors import InvalidRequest, Overloaded
 from specd.models import rows as few_rows
-from specd.models.lean import LeanLlama
+from specd.models.lean import LeanModel
 
 # Windows up to this many query rows attend through batched matrix products rather than a fused
 # attention kernel, whose tiles are mostly idle for so few rows (docs/engine.md, "Static KV memory").
@@ -136,7 +136,7 @@ class KVPool:
     """Preallocated KV slots for one lean model. Slots may be taken and given back from any
     thread; forwards run on one compute thread at a time (the target service's batcher)."""
 
-    def __init__(self, lean: LeanLlama, slots: int, max_len: int, head: Head | None = None,
+    def __init__(self, lean: LeanModel, slots: int, max_len: int, head: Head | None = None,
                  fused: bool | None = None):
         """head: final-normed hidden states [n, H] -> (float32 logits [n, V], what a row that wants
         hidden states gets); default the model's LM head and the states themselves (an
@@ -153,21 +153,22 @@ class KVPool:
         if max_len < 2:
             raise InvalidRequest("kv_max_len", "must be at least 2")
         self.lean = lean
-        self.head = head or (lambda h: (lean.lm_head(h).float(), h))
+        self.head = head or (lambda h: (lean.logits(h).float(), h))
         self.num_slots, self.max_len = slots, max_len
         self.device, self.dtype = lean.device, lean.dtype
         shape = (len(lean.layers), slots + 1, lean.kv_heads, max_len + 1, lean.head_dim)
         # Zeros, not garbage: a masked key gets zero weight, and 0 * finite stays 0 in the sum.
         with torch.inference_mode(False):
             self.k, self.v = _zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device)
-        lean._rope(0, max_len + 1, None)  # the rotary table for every column, trash included
-        self.cos, self.sin = lean._cos[:max_len + 1], lean._sin[:max_len + 1]
+        # per rotary kind (Gemma 3's local and global layers), cos and sin for every column, trash included
+        self.tables = [(c[:max_len + 1], s[:max_len + 1]) for c, s in lean.rope_tables(max_len + 1)]
+        self.cos, self.sin = self.tables[0]
         self.fused = self.device.type == "cuda" if fused is None else fused
         self.gemv_rows = GEMV_ROWS
         self.pinned = self.device.type == "cuda"  # host-side inputs in page-locked memory (to_device)
-        half = lean.head_dim // 2
+        half = lean.rotary_dim // 2
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
-        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+        self.signed_tables = [(c, torch.cat([-s[:, :half], s[:, half:]], dim=-1)) for c, s in self.tables]
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest free slot
         self._lock = threading.Lock()
         self.lengths = [0] * slots
@@ -175,7 +176,7 @@ class KVPool:
         # what runs forwards that fit it: a specd.models.graphs.GraphRunner (CUDA graphs) or a
         # specd.models.aot.AotRunner (compiled for the CPU); None: every forward eager
         self.runner = None
-        self.layer = FusedLayer(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling)  # the fused path's layer
+        self.layer = FusedLayer(lean)  # the fused path's layer
         self.compiled_layer = None  # self.layer through torch.compile (compile_layers)
         self._weights = None  # what the layer reads, per layer (_layer_weights)
         self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
@@ -386,11 +387,11 @@ class KVPool:
 
     def hidden(self, x: StepInputs, ks: Sequence[torch.Tensor] | None = None,
                vs: Sequence[torch.Tensor] | None = None,
-               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               tables: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
         shape is fixed by x, and nothing here reads a tensor back to the host (capturable).
-        ks, vs: each layer's keys and values, tables: the rotary cos and sin tables (default the
-        pool's own; a compiled forward takes them as inputs, specd.models.aot, so that their
+        ks, vs: each layer's keys and values, tables: the rotary cos and sin tables, per rotary
+        kind cos then sin (default the pool's own; a compiled forward takes them as inputs, specd.models.aot, so that their
         lengths, the pool's, are not constants of its library).
 
         Rows of unequal length (x.packed) run packed: the projections and the MLP, nearly all of
@@ -412,22 +413,28 @@ class KVPool:
         # A compiled forward attends with the few-row operator, which reads the pool in place and
         # applies the causal rule itself; the eager one keeps SDPA (a run of slots is a view there,
         # and its logits stay transformers').
-        compiled_attention = (torch.compiler.is_compiling() and x.tree_mask is None
+        compiled_attention = (torch.compiler.is_compiling() and x.tree_mask is None and lean.arch.plain_attention
                               and few_rows.attends(self.dtype, self.device))
         mask = x.tree_mask
+        windows = {layer.window for layer in lean.layers} - {None}
         # One query sees every key up to itself: no mask (a traced forward takes any shape: masked).
-        if mask is None and not compiled_attention and (torch.compiler.is_compiling() or (batch, width) != (1, 1)):
+        if mask is None and not compiled_attention and (torch.compiler.is_compiling() or (batch, width) != (1, 1)
+                                                        or any(span > w for w in windows)):
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
-        cos_table, sin_table = (self.cos, self.sin) if tables is None else tables
-        cos, sin = cos_table[x.rope_pos][:, None], sin_table[x.rope_pos][:, None]  # [B, 1, T, D]
+        masks = {None: mask}
+        for w in windows:  # a sliding layer's: the keys within its window of the query's position
+            masks[w] = lean.window_mask(mask, w, torch.arange(span, device=self.device), x.rope_pos[:, None])
+        tables = self.tables if tables is None else [(tables[j], tables[j + 1]) for j in range(0, len(tables), 2)]
+        rope = [(c[x.rope_pos][:, None], s[x.rope_pos][:, None]) for c, s in tables]  # [B, 1, T, D] per kind
         rows = x.slots[:, None]
         h = lean.embed(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
-        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(lean.layers):
-            a = lean._rms(norm_in, h)
-            q, k, v = padded(qkv_proj(a)).split((lean.q_size, lean.kv_size, lean.kv_size), dim=-1)
-            q = lean._rotate(q.view(batch, width, lean.heads, lean.head_dim).transpose(1, 2), cos, sin)
-            k = lean._rotate(k.view(batch, width, lean.kv_heads, lean.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, width, lean.kv_heads, lean.head_dim)
+        for i, layer in enumerate(lean.layers):
+            cos, sin = rope[layer.rope]
+            mask = masks[layer.window]
+            a = lean.rms(layer.norm_in, h)
+            q, k, v = lean.split_heads(layer, padded(lean.project_qkv(layer, a)))
+            q = lean.rotate(q, cos, sin)
+            k = lean.rotate(k, cos, sin)
             pool_k, pool_v = ks[i], vs[i]
             if x.write_run is not None:  # a copy into a slice costs less than an index_put (a CPU decode step)
                 slot, start, n = x.write_run
@@ -445,10 +452,8 @@ class KVPool:
                         slots = x.slots.index_select(0, members)
                         keys = pool_k[:, :, :group_span].index_select(0, slots)
                         values = pool_v[:, :, :group_span].index_select(0, slots)
-                    out[members] = F.scaled_dot_product_attention(
-                        q.index_select(0, members), keys, values,
-                        attn_mask=mask.index_select(0, members)[..., :group_span], scale=lean.scaling,
-                        enable_gqa=lean.groups > 1)
+                    out[members] = lean.attend(q.index_select(0, members), keys, values,
+                                               mask.index_select(0, members)[..., :group_span])
             elif compiled_attention:  # each row's keys read in place, each query's only up to its position
                 out = few_rows.attention(q, pool_k, pool_v, x.slots, x.query_pos, lean.scaling)
             else:
@@ -458,14 +463,10 @@ class KVPool:
                 else:
                     keys = pool_k[:, :, :span].index_select(0, x.slots)
                     values = pool_v[:, :, :span].index_select(0, x.slots)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=lean.scaling,
-                                                     enable_gqa=lean.groups > 1)
+                out = lean.attend(q, keys, values, mask)
             out = out.transpose(1, 2).reshape(batch, width, lean.q_size)
-            h = h + o_proj(out if real is None else out.reshape(-1, lean.q_size)[real][None])
-            a = lean._rms(norm_post, h)
-            gate, up = gate_up_proj(a).chunk(2, dim=-1)
-            h = h + down_proj(F.silu(gate) * up)
-        return padded(lean._rms(lean.norm, h))
+            h = lean.finish(layer, h, out if real is None else out.reshape(-1, lean.q_size)[real][None])
+        return padded(lean.final_norm(h))
 
     def _hidden_fused(self, x: StepInputs) -> torch.Tensor:
         """hidden(), in far fewer kernels than the exact path: a fused RMSNorm, q and k rotated
@@ -481,37 +482,53 @@ class KVPool:
         if mask is None:
             mask = torch.arange(span, device=self.device) <= x.query_pos[:, :, None]
             mask = mask[:, None]
-        # An additive mask, made once per forward rather than converted by every layer's attention.
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        # per (row, KV head): its g query heads' T queries, head-major (query head = KV head * g + j)
-        bias_rows = bias[:, :, None].expand(batch, kv_heads, groups, width, span).reshape(-1, groups * width, span)
-        cos, sin = self.cos[x.rope_pos][:, :, None], self.sin_signed[x.rope_pos][:, :, None]  # [B, T, 1, D]
+        keys = torch.arange(span, device=self.device)
+        biases = {}
+        for w in {layer.window for layer in lean.layers}:  # per sliding window (None: global layers)
+            m = lean.window_mask(mask, w, keys, x.rope_pos[:, None])
+            # An additive mask, made once per forward rather than converted by every layer's attention.
+            bias = torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, float("-inf"))
+            # per (row, KV head): its g query heads' T queries, head-major (query head = KV head * g + j)
+            biases[w] = bias, bias[:, :, None].expand(batch, kv_heads, groups, width, span).reshape(
+                -1, groups * width, span)
+        rope = [(c[x.rope_pos][:, :, None], s[x.rope_pos][:, :, None]) for c, s in self.signed_tables]  # [B, T, 1, D]
         gemv = 1 < batch * width <= self.gemv_rows
         # compiled for inference: a forward that tracks gradients (a drafter learning) runs eagerly
         run = self.layer if self.compiled_layer is None or torch.is_grad_enabled() else self.compiled_layer
         h = lean.embed(x.input_ids)
-        for i, weights in enumerate(self._layer_weights()):
+        for i, (layer, weights) in enumerate(zip(lean.layers, self._layer_weights())):
+            bias, bias_rows = biases[layer.window]
+            cos, sin = rope[layer.rope]
             h = run(h, weights, self.k[i], self.v[i], bias, bias_rows, cos, sin, x.slots, x.write_pos, gemv)
-        return F.rms_norm(h, (h.shape[-1],), lean.norm.weight, lean.norm.variance_epsilon)
+        return _norm(h, *self._final_norm, lean.arch.gemma_norm)
 
     def _layer_weights(self) -> list[tuple]:
-        """Per layer (input norm weight, its epsilon, q/k/v, o, post norm weight, its epsilon,
-        gate/up, down): the tensors FusedLayer reads. A projection that keeps only a packed CPU
-        copy (weight None) is read from its source linears, concatenated."""
+        """Per layer the tensors FusedLayer reads (FusedLayer.forward's order). A projection that
+        keeps only a packed CPU copy (weight None) is read from its source linears, concatenated."""
         if self._weights is None or self._weights[0] is not self.lean.layers:  # fused anew since
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: forwards may track gradients
                 self._weights = (self.lean.layers, self._read_layer_weights())
+                self._final_norm = _norm_weights(self.lean.norm, self.lean.arch.gemma_norm)
         return self._weights[1]
 
     def _read_layer_weights(self) -> list[tuple]:
         weights = []
-        for (norm_in, qkv, o, norm_post, gate_up, down), (attn, mlp) in zip(self.lean.layers, self.lean._sources):
-            qkv_w = qkv.weight if qkv.weight is not None else torch.cat(
-                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            gate_up_w = gate_up.weight if gate_up.weight is not None else torch.cat(
-                [mlp.gate_proj.weight, mlp.up_proj.weight])
-            weights.append((norm_in.weight, norm_in.variance_epsilon, qkv_w, o.weight, norm_post.weight,
-                            norm_post.variance_epsilon, gate_up_w, down.weight))
+        gemma = self.lean.arch.gemma_norm
+        for layer in self.lean.layers:
+            qkv_w = layer.qkv.weight if layer.qkv.weight is not None else torch.cat(_weights_of(layer.sources, "qkv"))
+            gate_up_w = layer.gate_up.weight if layer.gate_up.weight is not None else torch.cat(
+                _weights_of(layer.sources, "gate_up"))
+            o, down = _linear(layer.o), _linear(layer.down)
+            none = (None, 0.0)
+            weights.append((
+                *_norm_weights(layer.norm_in, gemma), qkv_w, layer.qkv_bias,
+                *(_norm_weights(layer.q_norm, gemma) if layer.q_norm is not None else none),
+                *(_norm_weights(layer.k_norm, gemma) if layer.k_norm is not None else none),
+                o.weight, o.bias,
+                *(_norm_weights(layer.norm_attn, gemma) if layer.norm_attn is not None else none),
+                *_norm_weights(layer.norm_mlp_in, gemma), gate_up_w, layer.gate_up_bias,
+                down.weight, down.bias,
+                *(_norm_weights(layer.norm_mlp_out, gemma) if layer.norm_mlp_out is not None else none)))
         return weights
 
     def compile_layers(self) -> None:
@@ -528,15 +545,44 @@ class KVPool:
         self.compiled_layer = torch.compile(self.layer, dynamic=True, fullgraph=True)
 
 
+def _linear(module: torch.nn.Module) -> torch.nn.Linear:
+    """The linear a row-parallel projection wraps (specd.models.tp.AllReduce), or the module."""
+    return getattr(module, "linear", module)
+
+
+def _weights_of(sources: list[torch.nn.Linear], which: str) -> list[torch.Tensor]:
+    """The source weights of a layer's fused q/k/v (the linears before the MLP's) or gate/up."""
+    split = 1 if len(sources) == 2 else 3  # Phi-3: one q/k/v linear and one gate/up linear
+    return [m.weight for m in (sources[:split] if which == "qkv" else sources[split:])]
+
+
+def _norm_weights(norm: torch.nn.Module, gemma: bool) -> tuple[torch.Tensor, float]:
+    """An RMSNorm's weight as F.rms_norm takes it, and its epsilon: Gemma's (1 + w), in float32."""
+    eps = getattr(norm, "variance_epsilon", None)
+    eps = norm.eps if eps is None else eps
+    return ((1.0 + norm.weight.float()) if gemma else norm.weight), eps
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    if gemma:  # in float32, as Gemma's norm computes
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class FusedLayer(torch.nn.Module):
     """One decoder layer of the fused forward (KVPool._hidden_fused), for every layer: its
-    weights come in as arguments, the model's sizes are attributes, which torch.compile takes as
-    constants (with dynamic sizes, integers passed as arguments would be symbolic like the
-    batch's)."""
+    weights come in as arguments, the model's sizes and family traits are attributes, which
+    torch.compile takes as constants (with dynamic sizes, integers passed as arguments would be
+    symbolic like the batch's)."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, scaling: float):
+    def __init__(self, lean: LeanModel):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
+        self.heads, self.kv_heads, self.head_dim, self.scaling = lean.heads, lean.kv_heads, lean.head_dim, lean.scaling
+        arch = lean.arch
+        self.rotary_dim, self.gemma_norm, self.softcap = lean.rotary_dim, arch.gemma_norm, arch.attn_softcap
+        self.act = arch.act
+        # tensor parallelism: the row-parallel products are summed over the ranks before their residual sums
+        self.reduce = any(_linear(layer.o) is not layer.o for layer in lean.layers)
 
     def forward(self, h: torch.Tensor, weights: tuple, pool_k: torch.Tensor, pool_v: torch.Tensor,
                 bias: torch.Tensor, bias_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -544,32 +590,77 @@ class FusedLayer(torch.nn.Module):
         """Writes this layer's new keys and values into its pool tensors; the new residual stream
         [B, T, H]. gemv as in _add_product."""
         heads, kv_heads, dim, scaling = self.heads, self.kv_heads, self.head_dim, self.scaling
-        norm_in, eps_in, qkv_w, o_w, norm_post, eps_post, gate_up_w, down_w = weights
+        (norm_in, eps_in, qkv_w, qkv_b, q_norm, q_eps, k_norm, k_eps, o_w, o_b, norm_attn, eps_attn,
+         norm_mlp, eps_mlp, gate_up_w, gate_up_b, down_w, down_b, norm_out, eps_out) = weights
+        gemma = self.gemma_norm
         batch, width = h.shape[0], h.shape[1]
         groups, q_size, kv_size, span = heads // kv_heads, heads * dim, kv_heads * dim, bias.shape[-1]
         project = _rows_product if gemv else F.linear
-        a = F.rms_norm(h, (h.shape[-1],), norm_in, eps_in)
+        a = _norm(h, norm_in, eps_in, gemma)
         qkv = project(a, qkv_w)
+        if qkv_b is not None:
+            qkv = qkv + qkv_b
         qk = qkv[..., :q_size + kv_size].view(batch, width, heads + kv_heads, dim)
-        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)  # q and k rotated together
+        if q_norm is not None:  # Qwen3, Gemma 3: each head's query and key normed before rotation
+            qk = torch.cat([_norm(qk[:, :, :heads], q_norm, q_eps, gemma),
+                            _norm(qk[:, :, heads:], k_norm, k_eps, gemma)], dim=2)
+        r = self.rotary_dim
+        if r == dim:  # q and k rotated together
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
+        else:  # partial rotary: the rest of each head passes through
+            rot = qk[..., :r]
+            qk = torch.cat([torch.addcmul(rot * cos, rot.roll(r // 2, dims=-1), sin), qk[..., r:]], dim=-1)
         v = qkv[..., q_size + kv_size:].view(batch, width, kv_heads, dim)
         pool_k[slots[:, None], :, write_pos] = qk[:, :, heads:]
         pool_v[slots[:, None], :, write_pos] = v
         keys = pool_k[:, :, :span].index_select(0, slots)  # [B, kv_heads, S, D]
         values = pool_v[:, :, :span].index_select(0, slots)
-        if width <= MATMUL_ATTENTION_WIDTH:  # a few query rows: three small kernels beat one fused
+        if width <= MATMUL_ATTENTION_WIDTH or self.softcap is not None:  # a few query rows: three small kernels
             q = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-            scores = torch.baddbmm(bias_rows, q.reshape(-1, groups * width, dim),
-                                   keys.reshape(-1, span, dim).transpose(1, 2), alpha=scaling)
+            q, k_t = q.reshape(-1, groups * width, dim), keys.reshape(-1, span, dim).transpose(1, 2)
+            if self.softcap is None:
+                scores = torch.baddbmm(bias_rows, q, k_t, alpha=scaling)
+            else:  # Gemma 2: scores capped by tanh before the mask
+                scores = torch.tanh(torch.bmm(q, k_t) * (scaling / self.softcap)) * self.softcap + bias_rows
             out = torch.bmm(scores.softmax(-1), values.reshape(-1, span, dim))  # [B * kv_heads, g * T, D]
             out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4)
         else:
             out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=bias,
                                                  scale=scaling, enable_gqa=groups > 1).transpose(1, 2)
-        h = _add_product(h, out.reshape(batch, width, q_size), o_w, gemv)
-        a = F.rms_norm(h, (h.shape[-1],), norm_post, eps_post)
-        gate, up = project(a, gate_up_w).chunk(2, dim=-1)
-        return _add_product(h, F.silu(gate) * up, down_w, gemv)
+        h = self._output(h, out.reshape(batch, width, q_size), o_w, o_b, norm_attn, eps_attn, gemv)
+        a = _norm(h, norm_mlp, eps_mlp, gemma)
+        gate_up = project(a, gate_up_w)
+        if gate_up_b is not None:
+            gate_up = gate_up + gate_up_b
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._output(h, self.act(gate) * up, down_w, down_b, norm_out, eps_out, gemv)
+
+    def _output(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                norm: torch.Tensor | None, eps: float, gemv: bool) -> torch.Tensor:
+        """h + x @ weight.T (+ bias): the residual sum written by the product's own kernel where
+        nothing comes between (no norm of the output, no sum over ranks)."""
+        if norm is None and not self.reduce and bias is None:
+            return _add_product(h, x, weight, gemv)
+        y = (_rows_product if gemv else F.linear)(x, weight)
+        if self.reduce:
+            y = _all_reduce(y)
+        if bias is not None:  # after the sum over ranks (each holds the whole bias)
+            y = y + bias
+        if norm is not None:
+            y = _norm(y, norm, eps, self.gemma_norm)
+        return h + y
+
+
+def _all_reduce(y: torch.Tensor) -> torch.Tensor:
+    """y summed over the tensor-parallel ranks (traceable under torch.compile)."""
+    import torch.distributed as dist
+
+    if torch.compiler.is_compiling():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(y, "sum", dist.group.WORLD)
+    dist.all_reduce(y)
+    return y
 
 
 def _add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False) -> torch.Tensor:

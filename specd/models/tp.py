@@ -1,11 +1,15 @@
-"""Tensor parallelism for a Llama target (Megatron-LM's split, as gpt-fast applies it).
+"""Tensor parallelism for a target of any family the lean forward runs (Megatron-LM's split, as
+gpt-fast applies it).
 
 Each of N ranks holds 1/N of every layer: the query, key and value projections of its share of
 the attention heads (column-parallel), the attention output projection over those heads
 (row-parallel), and its share of the MLP's intermediate columns (gate and up column-parallel,
 down row-parallel). The two row-parallel products are summed across ranks (one all-reduce each
 per layer), so every rank ends a layer with the full hidden state; embeddings, norms and the LM
-head are replicated. Each rank's KV pool holds its own heads' keys and values.
+head are replicated (so are q/k norms, which act on each head alike); biases of column-parallel
+products are split with their rows, those of row-parallel ones added once, after the sum. A fused
+q/k/v or gate/up linear (Phi-3) is split part by part. Each rank's KV pool holds its own heads'
+keys and values.
 
 Rank 0 runs the service. Every forward it runs over its KV pool, and every rearrangement of a
 slot's cache (a draft tree's `keep_path`), is broadcast to the other ranks first (`KVPool.tp`),
@@ -69,16 +73,17 @@ class TensorParallel:
 
 
 class AllReduce(torch.nn.Module):
-    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+    """A row-parallel projection: this rank's partial product, summed over the ranks, then the
+    bias (each rank holds all of it)."""
 
     def __init__(self, linear: torch.nn.Module):
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
+        y = torch.nn.functional.linear(x, self.linear.weight)
         dist.all_reduce(y)
-        return y
+        return y if self.linear.bias is None else y + self.linear.bias
 
 
 def check_shardable(config, world: int) -> None:
@@ -90,16 +95,26 @@ def check_shardable(config, world: int) -> None:
 
 
 @torch.no_grad()
-def shard_llama(model: torch.nn.Module, tp: TensorParallel) -> None:
-    """Keep this rank's share of every layer of a transformers Llama model, in place (before its
-    linear kernels are packed), and sum the row-parallel products across ranks."""
+def shard(model: torch.nn.Module, tp: TensorParallel) -> None:
+    """Keep this rank's share of every layer of a transformers causal LM the lean forward runs,
+    in place (before its linear kernels are packed), and sum the row-parallel products across
+    ranks."""
     config = model.config
     check_shardable(config, tp.world)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv, inner = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.intermediate_size
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        for proj in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-            _keep(proj, 0, tp)  # output rows: this rank's heads / intermediate columns
+        if hasattr(a, "qkv_proj"):  # Phi-3's fused q/k/v: this rank's heads of each part
+            _keep_parts(a.qkv_proj, (q, kv, kv), tp)
+        else:
+            for proj in (a.q_proj, a.k_proj, a.v_proj):
+                _keep(proj, 0, tp)  # output rows: this rank's heads
+        if hasattr(m, "gate_up_proj"):
+            _keep_parts(m.gate_up_proj, (inner, inner), tp)
+        else:
+            for proj in (m.gate_proj, m.up_proj):
+                _keep(proj, 0, tp)  # output rows: this rank's intermediate columns
         for proj in (a.o_proj, m.down_proj):
             _keep(proj, 1, tp)  # input columns: the same heads / columns
         a.o_proj, m.down_proj = AllReduce(a.o_proj), AllReduce(m.down_proj)
@@ -115,8 +130,26 @@ def _keep(linear: torch.nn.Linear, dim: int, tp: TensorParallel) -> None:
     linear.weight = torch.nn.Parameter(weight.narrow(dim, tp.rank * share, share).clone(), requires_grad=False)
     if dim == 0:
         linear.out_features = share
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias.narrow(0, tp.rank * share, share).clone(), requires_grad=False)
     else:
         linear.in_features = share
+
+
+def _keep_parts(linear: torch.nn.Linear, parts: tuple[int, ...], tp: TensorParallel) -> None:
+    """_keep(linear, 0) for each of the output parts a fused linear stacks (q, k, v or gate, up)."""
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        pieces, at = [], 0
+        for n in parts:
+            share = n // tp.world
+            pieces.append(t.narrow(0, at + tp.rank * share, share))
+            at += n
+        return torch.cat(pieces).clone()
+
+    linear.weight = torch.nn.Parameter(mine(linear.weight), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(mine(linear.bias), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
 
 
 def follow(pool, tp: TensorParallel) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models.lean import FlatCache, LeanLlama, choose_forward, supports
+from specd.models.lean import FlatCache, LeanModel, choose_forward, supports
 from specd.models.session import KVSession, hf_forward
 from specd.models.tiny import loaded, tiny_llama
 from specd.tree import DraftTree
@@ -16,7 +16,7 @@ from specd.tree import DraftTree
 
 def _pair(model: torch.nn.Module) -> tuple[KVSession, KVSession]:
     """(transformers' forward, the lean forward) sessions over the same model."""
-    lean = LeanLlama(model)
+    lean = LeanModel(model)
     return KVSession(hf_forward(model), torch.device("cpu")), KVSession(lean.forward, torch.device("cpu"),
                                                                        lean.new_cache())
 
@@ -115,8 +115,10 @@ def test_choose_forward():
 
 
 def test_lean_refuses_a_model_it_does_not_compute_exactly():
-    model = tiny_llama(0, layers=1)
-    model.config.attention_bias = True
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)).eval()
     assert not supports(model)
     assert choose_forward(model, "auto", torch.device("cpu")) == "hf"
     with pytest.raises(InvalidRequest, match="forward"):

@@ -92,7 +92,7 @@ def through_the_services(target, reference) -> None:
 def rank_main(rank: int, port: int) -> None:
     import os
 
-    from specd.models.tp import TensorParallel, follow, shard_llama, stop_followers
+    from specd.models.tp import TensorParallel, follow, shard, stop_followers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -102,7 +102,7 @@ def rank_main(rank: int, port: int) -> None:
     reference = loaded(tiny_llama(0, vocab_size=len(tok)), "tiny", tok)
     reference.use_pool(4, 128)
     model = tiny_llama(0, vocab_size=len(tok))
-    shard_llama(model, tp)
+    shard(model, tp)
     target = loaded(model, "tiny", tok)
     target.use_pool(4, 128)
     want, lengths, _ = script(reference)
@@ -142,8 +142,8 @@ def test_two_ranks_compute_the_unsharded_model_and_serve_it():
 
 def test_heads_that_do_not_split_are_refused_naming_the_setting():
     from specd.errors import InvalidRequest
-    from specd.models.tp import TensorParallel, shard_llama
+    from specd.models.tp import TensorParallel, shard
 
     with pytest.raises(InvalidRequest) as e:
-        shard_llama(tiny_llama(0), TensorParallel(0, 3))
+        shard(tiny_llama(0), TensorParallel(0, 3))
     assert e.value.field == "tensor_parallel"
