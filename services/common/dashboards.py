@@ -1,6 +1,7 @@
-"""The PromQL shipped with specd: the Grafana dashboard (deploy/grafana/dashboards/specd.json)
-and the Prometheus alerting rules (deploy/prometheus/alerts.yml), read back as plain strings
-for tests.
+"""The PromQL shipped with specd: the Grafana dashboard (services/monitoring/dashboards/specd.json)
+and the Prometheus alerting rules (services/monitoring/alerts.yml), read back as plain strings
+for tests. Both are package data (pyproject.toml), so an installed specd reads the copy it
+ships; docker-compose.yml mounts the same files into Grafana and Prometheus.
 
   dashboard_expressions()   every panel query and templating query of the dashboard, with the
                             Grafana variables replaced so that a real Prometheus can evaluate
@@ -24,9 +25,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "specd.json"
-ALERTS = REPO_ROOT / "deploy" / "prometheus" / "alerts.yml"
+MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
+DASHBOARD = MONITORING / "dashboards" / "specd.json"
+ALERTS = MONITORING / "alerts.yml"
 
 # Grafana's built-in variables, at values a live Prometheus scraping every 5 s can evaluate.
 BUILTINS = {

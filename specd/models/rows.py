@@ -98,8 +98,8 @@ def load(cache_dir: Path | None = None) -> str | None:
     if cxx is None:
         reason = "no C++ compiler (g++) on this machine"
     else:
-        path = Path(cache_dir) / "ops" / f"rows_linear-{_key()}.so"
-        try:
+        try:  # the key reads the source: an install without it falls back like a failed build
+            path = Path(cache_dir) / "ops" / f"rows_linear-{_key()}.so"
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.with_suffix(".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together build it once

@@ -520,9 +520,9 @@ def test_mounted_monitoring_files_exist():
     assert {name for name, _, _ in mounts} >= {"prometheus", "grafana"}
     missing = [str(host.relative_to(ROOT)) for _, host, _ in mounts if not host.exists()]
     assert missing == [], f"mounted by docker-compose.yml but missing: {missing}"
-    for path in ["deploy/prometheus/prometheus.yml", "deploy/prometheus/alerts.yml",
+    for path in ["deploy/prometheus/prometheus.yml", "services/monitoring/alerts.yml",
                  "deploy/grafana/provisioning/datasources/prometheus.yml",
-                 "deploy/grafana/provisioning/dashboards/specd.yml", "deploy/grafana/dashboards/specd.json"]:
+                 "deploy/grafana/provisioning/dashboards/specd.yml", "services/monitoring/dashboards/specd.json"]:
         assert (ROOT / path).is_file(), f"{path} is missing"
         assert any(host == (ROOT / path).resolve() or (ROOT / path).resolve().is_relative_to(host)
                    for _, host, _ in mounts), f"{path} is not mounted"

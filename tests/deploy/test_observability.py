@@ -18,7 +18,6 @@ from services.common.dashboards import (
     ALERTS,
     BUILTINS,
     DASHBOARD,
-    REPO_ROOT,
     alert_expressions,
     alert_rules,
     dashboard_expressions,
@@ -33,6 +32,7 @@ from services.common.dashboards import (
 from services.common.metrics import catalog
 
 HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
 PROMETHEUS_YML = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ALERTS_TEST = HERE / "alerts_test.yml"
 GRAFANA = REPO_ROOT / "deploy" / "grafana"
@@ -63,7 +63,7 @@ def promtool(*args: str | Path) -> subprocess.CompletedProcess:
     exe = shutil.which("promtool")
     if exe is None:
         pytest.fail("promtool not found on PATH: install it (Debian/Ubuntu: `apt-get install prometheus`, "
-                    "which ships /usr/bin/promtool) to check deploy/prometheus/*.yml")
+                    "which ships /usr/bin/promtool) to check the Prometheus config and alert rules")
     return subprocess.run([exe, *map(str, args)], check=False, capture_output=True, text=True,
                           timeout=120)
 
@@ -79,8 +79,11 @@ def family(name: str) -> str:
 # -- Prometheus ------------------------------------------------------------------------------------
 
 @pytest.mark.external  # runs promtool
-def test_prometheus_config_is_valid():
-    assert_ok(promtool("check", "config", PROMETHEUS_YML))
+def test_prometheus_config_is_valid(tmp_path):
+    """As compose mounts it: the rules beside it (test_compose_mounts_what_the_configs_expect)."""
+    shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
+    shutil.copy(ALERTS, tmp_path / "alerts.yml")
+    assert_ok(promtool("check", "config", tmp_path / "prometheus.yml"))
 
 
 def test_prometheus_config_scrapes_every_process():
@@ -124,12 +127,12 @@ def test_alerts_fire_on_unhealthy_series_only():
 
 def mutate_alert(tmp_path: Path, alert: str, old: str, new: str) -> Path:
     """A copy of the rules with one alert's threshold changed, and the unit tests beside it at
-    the same relative path (tests/deploy/ -> ../../deploy/prometheus/alerts.yml)."""
+    the same relative path (tests/deploy/ -> ../../services/monitoring/alerts.yml)."""
     data = yaml.safe_load(ALERTS.read_text())
     (rule,) = [r for g in data["groups"] for r in g["rules"] if r.get("alert") == alert]
     assert old in rule["expr"]
     rule["expr"] = rule["expr"].replace(old, new)
-    rules = tmp_path / "deploy" / "prometheus" / "alerts.yml"
+    rules = tmp_path / ALERTS.relative_to(REPO_ROOT)
     rules.parent.mkdir(parents=True)
     rules.write_text(yaml.safe_dump(data, sort_keys=False))
     test = tmp_path / "tests" / "deploy" / ALERTS_TEST.name
@@ -297,7 +300,7 @@ def test_grafana_provisioning():
     providers = yaml.safe_load(PROVIDERS.read_text())["providers"]
     assert [p["options"]["path"] for p in providers] == [DASHBOARDS_MOUNT]
     assert all(p["type"] == "file" for p in providers)
-    assert DASHBOARD.parent == GRAFANA / "dashboards"
+    assert DASHBOARD.parent == REPO_ROOT / "services" / "monitoring" / "dashboards"
 
 
 def test_compose_mounts_what_the_configs_expect():
@@ -310,11 +313,11 @@ def test_compose_mounts_what_the_configs_expect():
         return {target: source for source, target in pairs}
 
     grafana = mounts("grafana")
-    assert grafana.get(DASHBOARDS_MOUNT) == "./deploy/grafana/dashboards"
+    assert grafana.get(DASHBOARDS_MOUNT) == "./services/monitoring/dashboards"
     assert grafana.get("/etc/grafana/provisioning") == "./deploy/grafana/provisioning"
     prometheus = mounts("prometheus")
     assert prometheus.get("/etc/prometheus/prometheus.yml") == "./deploy/prometheus/prometheus.yml"
-    assert prometheus.get("/etc/prometheus/alerts.yml") == "./deploy/prometheus/alerts.yml"
+    assert prometheus.get("/etc/prometheus/alerts.yml") == "./services/monitoring/alerts.yml"
     # every scrape target is a compose service listening on that port
     for job, address in JOBS.items():
         host, port = address.split(":")

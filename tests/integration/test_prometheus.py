@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from services.cli import free_port
-from services.common.dashboards import alert_expressions, dashboard_expressions, metric_names
+from services.common.dashboards import ALERTS, alert_expressions, dashboard_expressions, metric_names
 from tests.integration.conftest import HTTP_TIMEOUT_S, MESSAGES, REPO_ROOT, Stack
 
 pytestmark = pytest.mark.embedded
@@ -55,7 +55,7 @@ def prometheus(stack: Stack, tmp_path_factory) -> Prometheus:
                     "`make test` does it)", pytrace=False)
     tmp = tmp_path_factory.mktemp("prometheus")
     config = tmp / "prometheus.yml"
-    config.write_text(yaml.safe_dump(local_config(stack, SHIPPED / "alerts.yml")))
+    config.write_text(yaml.safe_dump(local_config(stack, ALERTS)))
     port = free_port()
     with open(tmp / "prometheus.log", "w") as log:
         proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
+import shutil
 
 import pytest
 import torch
@@ -164,3 +166,43 @@ def test_where_the_few_row_product_cannot_run_auto_falls_back_and_rows_is_refuse
         with pytest.raises(InvalidRequest, match="linear_kernels"):
             use_kernels(model, "rows")
     assert use_kernels(model) == "rows"
+
+
+def _no_source(tmp_path, monkeypatch):  # an install without csrc/ (a wheel that left it out)
+    monkeypatch.setattr(rows, "SOURCE", tmp_path / "csrc" / "rows_linear.cpp")
+
+
+def _no_compiler(tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def _compile_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", shutil.which("false"))
+
+
+def _load_error(tmp_path, monkeypatch):  # a damaged library where the cache keeps the built one
+    if rows.compiler() is None:
+        pytest.skip("no C++ compiler: the cached library is never looked at")
+    built = tmp_path / "ops" / f"rows_linear-{rows._key()}.so"
+    built.parent.mkdir()
+    built.write_bytes(b"not a shared library")
+
+
+@pytest.mark.parametrize("failure, reason", [
+    (_no_source, "rows_linear.cpp"), (_no_compiler, "no C++ compiler"), (_compile_error, "failed"),
+    (_load_error, "rows_linear-")], ids=["no-source", "no-compiler", "compile-error", "load-error"])
+def test_auto_falls_back_with_one_warning_wherever_the_operator_cannot_be_had(failure, reason, tmp_path,
+                                                                              monkeypatch, caplog):
+    """Any failure to find, build or load the operator: auto keeps oneDNN (or torch's kernels) and
+    says why once; rows is refused as a bad linear_kernels, naming the same reason."""
+    monkeypatch.setattr(rows, "_state", {})  # this process has not tried to load it yet
+    failure(tmp_path, monkeypatch)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=rows.__name__):
+        assert use_kernels(model, "auto", tmp_path) == ("onednn" if onednn_available() else "torch")
+        with pytest.raises(InvalidRequest, match="linear_kernels") as refused:
+            use_kernels(model, "rows", tmp_path)
+    assert reason in str(refused.value)
+    (warning,) = [r for r in caplog.records if r.name == rows.__name__]
+    assert reason in warning.getMessage()
