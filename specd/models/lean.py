@@ -200,8 +200,9 @@ class Layer:
 
 
 def _bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
-    """The fused product's bias: the linears' biases side by side (zeros where one has none)."""
-    if all(m.bias is None for m in linears):
+    """The fused product's bias: the linears' biases side by side (zeros where one has none);
+    None where there are none or all are zero (adding zeros changes no value)."""
+    if all(m.bias is None or not m.bias.detach().any() for m in linears):
         return None
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
                       for m in linears])

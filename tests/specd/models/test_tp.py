@@ -147,3 +147,48 @@ def test_heads_that_do_not_split_are_refused_naming_the_setting():
     with pytest.raises(InvalidRequest) as e:
         shard(tiny_llama(0), TensorParallel(0, 3))
     assert e.value.field == "tensor_parallel"
+
+
+FAMILIES_SPLIT = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-window")
+
+
+def family_rank_main(rank: int, port: int) -> None:
+    """Every family's sharded pool, exact and fused, against its unsharded pool (the script above)."""
+    import os
+
+    from specd.models.tiny import tiny_family
+    from specd.models.tp import TensorParallel, follow, shard, stop_followers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tp = TensorParallel(rank, WORLD)
+    tp.init(torch.device("cpu"))
+    for family in FAMILIES_SPLIT:
+        for fused in (False, True):
+            reference = loaded(tiny_family(family), family)
+            reference.use_pool(4, 128)
+            reference.pool.fused = fused
+            model = tiny_family(family)
+            shard(model, tp)
+            target = loaded(model, family)
+            target.use_pool(4, 128)
+            target.pool.fused = fused
+            if rank == 0:
+                want, lengths, _ = script(reference)
+                target.pool.tp = tp
+                got, got_lengths, _ = script(target)
+                assert got_lengths == lengths, family
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{family} fused={fused}")
+                    assert torch.equal(g.argmax(-1), w.argmax(-1)), family
+                stop_followers(tp)
+            else:
+                follow(target.pool, tp)
+    tp.close()
+
+
+def test_two_ranks_compute_every_family_unsharded():
+    """Biases split with their rows (Qwen2), q/k norms replicated (Qwen3, Gemma 3), soft caps and
+    four norms a layer (Gemma 2), fused q/k/v and gate/up split part by part (Phi-3), sliding
+    windows (Mistral): the sharded forwards, exact and fused, equal the unsharded model's."""
+    mp.spawn(family_rank_main, args=(free_port(),), nprocs=WORLD, join=True)
