@@ -192,3 +192,22 @@ def test_the_lean_model_reads_fused_phi3_weights_and_refreshes_them():
     ids = torch.tensor([_sequence(1, 20)])
     with torch.inference_mode():
         _close(lean.forward(ids, lean.new_cache(), 20, False)[0].float(), model(input_ids=ids).logits[0])
+
+
+@pytest.mark.slow
+def test_fused_layers_through_torch_compile_equal_transformers():
+    """What the GPU's CUDA graphs capture (each fused layer through torch.compile), here on the CPU,
+    for the family whose layers differ most from Llama's (Gemma 2: soft caps, four norms a layer,
+    windows); the others' fused layers run eagerly above, and compiling one takes a minute."""
+    name = "gemma2"
+    model = tiny_family(name)
+    ids = _sequence(7, 60)
+    ref = reference_logits(model, name, ids)
+    target = loaded(model, name, forward="lean")
+    target.use_pool(2, 128)
+    target.pool.fused = True
+    target.pool.compile_layers()
+    s = target.session()
+    _close(s.extend(ids[:40], 40)[0], ref[:40])
+    for at in range(40, 60, 5):
+        _close(s.extend(ids[at:at + 5], 5)[0], ref[at:at + 5])
