@@ -52,7 +52,7 @@ def load_target(s: TargetSettings):
         tp.init(resolve_device(s.device))
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off",
                         tensor_parallel=tp)
-    use_pool(target, s, graphs_allowed=tp is None)
+    use_pool(target, s, graphs_allowed=tp is None, tp=tp)
     if tp is not None and target.pool is None:
         raise InvalidRequest("tensor_parallel", "the model has no KV pool (the lean forward does not support it)")
     if tp is not None and tp.leader:
@@ -60,9 +60,10 @@ def load_target(s: TargetSettings):
     return target
 
 
-def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
+def use_pool(target, s: TargetSettings, graphs_allowed: bool = True, tp=None) -> None:
     """Open sessions in a preallocated KV pool (and capture CUDA graphs) where the settings and
-    the model allow; otherwise sessions keep growing caches of their own."""
+    the model allow; otherwise sessions keep growing caches of their own. tp: the ranks agree on
+    the slots that fit on every one of them."""
     from specd.models.arch import unsupported
 
     if s.kv_slots == 0:
@@ -78,8 +79,16 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True) -> None:
         compiled = "on" if s.cuda_graphs in ("auto", "compiled") else "off"
     else:
         compiled = s.cpu_compile if graphs_allowed else "off"
-    pool = target.use_pool(s.kv_slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir,
-                           memory_fraction=s.kv_memory_fraction)
+    slots, fraction = s.kv_slots, s.kv_memory_fraction
+    if tp is not None:
+        from specd.models.loading import slots_that_fit
+        from specd.models.tp import agree
+
+        length = min(s.kv_max_len, target.max_context)
+        slots, fraction = agree(tp, slots_that_fit(target.model.config, target.model.dtype, target.device, slots,
+                                                   length, fraction)), None
+    pool = target.use_pool(slots, s.kv_max_len, graphs=graphs, compiled=compiled, cache_dir=s.cache_dir,
+                           memory_fraction=fraction)
     log.info("target %s (%s) on specd's runtime: KV pool of %d slots x %d positions, %.2f GiB", target.name,
              target.model.config.model_type, pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)

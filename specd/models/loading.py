@@ -69,7 +69,7 @@ class LoadedModel:
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
         check_cpu_compile(compiled)
         if compiled == "on" and not graphs and not cpu_compilable(self.model, self.device):
-            raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
+            raise InvalidRequest("cpu_compile", "compiled forwards need a float32 Llama model on the CPU")
         if self._lean is None:
             self._lean = LeanModel(self.model)
         length = min(max_len or self.max_context, self.max_context)
@@ -254,8 +254,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
                                                          device_map="auto")
             dev = model.get_input_embeddings().weight.device
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(dev)
+        else:  # a tensor-parallel rank shards on the host first: its GPU holds only its share
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+            if tensor_parallel is None:
+                model = model.to(dev)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
@@ -265,6 +267,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         if not supports(model):
             raise InvalidRequest("tensor_parallel", f"tensor parallelism cannot run this model: {unsupported(model)}")
         shard(model, tensor_parallel)
+        model = model.to(dev)
     use_kernels(model, linear_kernels, cache_dir)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
@@ -290,9 +293,15 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
 
 def cpu_compilable(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether a pool of this model can run compiled CPU forwards: float32 on the CPU."""
+    """Whether a pool of this model can run compiled CPU forwards: a float32 Llama on the CPU.
+    Other families' pools run eagerly there: the one tried (Gemma 2) failed to load its library
+    (a constant the trace lifted that specd does not name), so none is compiled until each is
+    tested (docs/engine.md)."""
     weight = model.get_input_embeddings().weight
-    return device.type == "cpu" and weight.dtype == torch.float32
+    config = getattr(model, "config", None)
+    plain = (getattr(config, "model_type", None) == "llama" and not getattr(config, "attention_bias", False)
+             and not getattr(config, "mlp_bias", False))
+    return device.type == "cpu" and weight.dtype == torch.float32 and plain
 
 
 def compile_pays(model: torch.nn.Module, device: torch.device) -> bool:

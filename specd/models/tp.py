@@ -152,9 +152,22 @@ def _keep_parts(linear: torch.nn.Linear, parts: tuple[int, ...], tp: TensorParal
     linear.out_features = linear.weight.shape[0]
 
 
+def agree(tp: TensorParallel, value: int) -> int:
+    """The smallest of every rank's value (each rank sizes its KV pool from its own free memory;
+    the pools must hold the same slots)."""
+    values = [None] * tp.world
+    dist.all_gather_object(values, value)
+    return min(values)
+
+
 def follow(pool, tp: TensorParallel) -> None:
     """A rank other than 0: run the forwards rank 0 broadcasts over this rank's KV pool until it
-    says stop."""
+    says stop. SIGTERM and SIGINT (which torchrun sends every rank) are rank 0's to act on: it
+    drains its calls, then says stop."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         message = tp.broadcast()
         kind = message[0]

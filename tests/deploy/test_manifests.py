@@ -489,10 +489,13 @@ def test_compose_images_and_gpu_override():
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
         assert "./models:/models:ro" in svc["volumes"]
-    assert merged["services"]["target"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
     target_env = compose_env(merged["services"]["target"])
     draft_env = compose_env(merged["services"]["draft"])
-    assert target_env["SPECD_TARGET_DEVICE"] == "shard"
+    # tensor parallel over exactly the GPUs the container reserves, one rank each
+    gpus = merged["services"]["target"]["deploy"]["resources"]["reservations"]["devices"][0]["count"]
+    assert int(gpus) == int(target_env["SPECD_TARGET_TENSOR_PARALLEL"]) > 1
+    assert target_env["SPECD_TARGET_DEVICE"] == "cuda"
+    assert target_env["SPECD_TARGET_DRAFTER"] == "none"  # the base file's retrieval has no datastore for this pair
     assert target_env["SPECD_TARGET_MODEL"] == "/models/Qwen2.5-7B-Instruct"
     assert draft_env["SPECD_DRAFT_DRAFTER"] == "hf"
     assert draft_env["SPECD_DRAFT_DRAFT_MODEL"] == "/models/Qwen2.5-0.5B-Instruct"
@@ -889,15 +892,19 @@ def test_k8s_pods_are_locked_down():
     assert all(replicas[name] > b["minAvailable"] for name, b in budgets.items())
 
 
-def test_k8s_target_is_sharded_one_pod_per_node():
+def test_k8s_target_is_tensor_parallel_one_pod_per_node():
     text = (K8S / "target.yaml").read_text()
     header = text.split("apiVersion")[0]
-    assert "shard" in header and 'device_map="auto"' in header and "torchrun" in header
+    assert "torchrun" in header and "SPECD_TARGET_TENSOR_PARALLEL" in header and "not supported" not in header
     ((dep, c, _, env),) = [x for x in specd_containers() if x[2] == "target"]
     spec = pod_spec(dep)
-    assert env["SPECD_TARGET_DEVICE"] == "shard"
-    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 4
-    assert spec.get("nodeSelector") and spec.get("tolerations")
+    assert env["SPECD_TARGET_DEVICE"] == "cuda"
+    # one rank per GPU the pod holds, on nodes of that many GPUs
+    gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus == int(c["resources"]["requests"]["nvidia.com/gpu"]) == int(env["SPECD_TARGET_TENSOR_PARALLEL"]) == 4
+    assert spec["nodeSelector"].get("nvidia.com/gpu.count") == str(gpus) and spec.get("tolerations")
+    shm = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}.get("/dev/shm")  # NCCL between the ranks
+    assert shm and {v["name"]: v for v in spec["volumes"]}[shm]["emptyDir"].get("medium") == "Memory"
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert selects(term["labelSelector"]["matchLabels"], pod_labels(dep))

@@ -59,3 +59,40 @@ def test_a_model_the_runtime_cannot_serve_is_refused_at_start_naming_it(tmp_path
     assert target.wait(120) != 0
     text = log.read_text()
     assert "model type 'gpt2'" in text and "cannot serve" in text, text[-2000:]
+
+
+def test_a_tensor_parallel_qwen2_target_serves_greedy_output_and_drains(qwen2_dirs, tmp_path):
+    """`--tensor-parallel 2` on the CPU (gloo): two ranks, each with its share of every layer and
+    the same slots; greedy output through a coordinator equals transformers' generate, and a
+    SIGTERM (which torchrun sends every rank) drains rank 0 while rank 1 waits for its stop."""
+    import signal
+
+    from services.coordinator.api import GenerateRequest
+    from specd.models import load_model
+    from specd.types import SamplingParams, SpecParams
+    from tests.services.coordinator.test_coordinator import generate
+    from tests.specd.models.test_families import greedy_reference
+
+    target_dir, _ = qwen2_dirs
+    port = free_port()
+    log = tmp_path / "target.log"
+    target = serve("target", log, "--port", str(port), "--model", str(target_dir), "--tensor-parallel", "2",
+                   "--device", "cpu", "--threads", "1", "--kv-slots", "2", "--kv-max-len", "256",
+                   "--drafter", "ngram")
+    try:
+        wait(lambda: status(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING, 180,
+             "tensor-parallel target SERVING", [target], [log])
+        reference = load_model(str(target_dir))
+        prompt = "the cat sat, the cat sat, the"
+        want = greedy_reference(reference.model, "qwen2", reference.encode_prompt(prompt, chat=False), 30)
+        request = GenerateRequest(prompt=prompt, sampling=SamplingParams(max_new_tokens=30),
+                                  spec=SpecParams("constant"))
+        ids, finish = generate(f"127.0.0.1:{port}", None, request)
+        assert ids == want[:len(ids)] and finish.spec_stats["drafted"] > 0
+        target.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks, then exits reporting it
+        target.wait(60)
+        text = log.read_text()
+        assert "draining" in text and "Connection closed" not in text and "ChildFailedError" not in text, text[-3000:]
+    finally:
+        if target.poll() is None:
+            target.kill()
