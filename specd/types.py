@@ -110,16 +110,18 @@ class SpecParams:
     relaxed: bool = False
     branches: int | None = None
 
-    def validate(self) -> None:
-        """The request-independent limits; the policy checks its parameters' values itself."""
+    def validate(self, max_draft_tokens_limit: int = MAX_DRAFT_TOKENS) -> None:
+        """The request-independent limits; the policy checks its parameters' values itself.
+        max_draft_tokens_limit: a server's cap on a window (services: the coordinator's
+        max_draft_tokens), for max_draft_tokens given either way, field or policy parameter."""
         check_text("policy", self.policy)
         if not 1 <= len(self.policy) <= MAX_NAME_CHARS:
             raise InvalidRequest("policy", f"must be a policy name of 1 to {MAX_NAME_CHARS} characters")
         if not TASK_TAG.fullmatch(self.task_tag):
             raise InvalidRequest("task_tag", "must be 1 to 64 characters among letters, digits and _ . : / @ -")
-        if self.max_draft_tokens is not None and not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidRequest("max_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], "
-                                                     f"got {self.max_draft_tokens}")
+        limit = min(max_draft_tokens_limit, MAX_DRAFT_TOKENS)
+        if self.max_draft_tokens is not None and not 1 <= self.max_draft_tokens <= limit:
+            raise InvalidRequest("max_draft_tokens", f"must be in [1, {limit}], got {self.max_draft_tokens}")
         if len(self.policy_params) > MAX_POLICY_PARAMS:
             raise InvalidRequest("policy_params", f"at most {MAX_POLICY_PARAMS} parameters, "
                                                   f"got {len(self.policy_params)}")
@@ -129,6 +131,8 @@ class SpecParams:
                 raise InvalidRequest("policy_params", f"parameter names have 1 to {MAX_NAME_CHARS} characters")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise InvalidRequest(f"policy_params.{name}", f"must be a finite number, got {value!r}")
+            if name == "max_draft_tokens" and value > limit:
+                raise InvalidRequest("policy_params.max_draft_tokens", f"must be in [1, {limit}], got {value!r}")
         check_branch_count(self.branches)
 
 

@@ -44,7 +44,9 @@ def from_rpc_error(e: grpc.aio.AioRpcError, service: str) -> SpecdError:
 
 def status_error(code: grpc.StatusCode, details: str, service: str) -> SpecdError:
     """A call's final status (not OK) as the core's typed error; only the status details are
-    kept, never the call's debug string (it carries internal addresses)."""
+    kept, never the call's debug string (it carries internal addresses), and only where they
+    are a client-facing text (client_details)."""
+    details = client_details(code, details, service)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, sep, message = details.partition(": ")
         return InvalidRequest(field, message) if sep else InvalidRequest("request", details)
@@ -52,16 +54,59 @@ def status_error(code: grpc.StatusCode, details: str, service: str) -> SpecdErro
         return Overloaded(f"{service}: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return ModelError(f"{service}: {details}")
-    # Transport failures describe the network ("failed to connect ... ipv4:10.0.0.7:50062"):
-    # that goes to the log, and the caller (whose message may reach an API client) gets the code.
-    if _TRANSPORT_DETAIL.search(details):
-        log.warning("%s service: %s: %s", service, code.name, details)
-        details = ""
     return Unavailable(f"{service} service: {code.name.lower()}" + (f": {details}" if details else ""))
 
 
-_TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|dns:|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]*:[0-9a-fA-F:]*\]"
-                               r"|failed to connect|socket closed|connection (refused|reset)", re.IGNORECASE)
+# An allowlist, not a filter: details reach a client only where they are a text specd's own
+# services write. A deny-list of address patterns missed host names ("DNS resolution failed for
+# target:50062") and TLS alerts; gRPC core, proxies and resolvers say whatever they like.
+# - The codes the services' typed errors map to (status_of): their messages name a field or a
+#   limit, never a peer; still refused where they look like an address.
+_SERVICE_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.FAILED_PRECONDITION}
+# - Known texts of the other codes: the services' and the coordinator's own.
+_KNOWN_TEXTS = [re.compile(p) for p in (
+    r"(target|draft|coordinator) service: [a-z_]+",  # status_error's own
+    r"(target|draft|coordinator) service ended the session",
+    r"(target|draft|coordinator) service: the session ended \(\w+\)",
+    r"target service: no verdict within \d+(\.\d+)? s",
+    r"target service answered a verification nobody asked for",
+    r"internal error: \w+",  # status_of
+    r"missing or wrong bearer token \(authorization metadata\)",  # security.TokenInterceptor
+    r"session: no message for \d+(\.\d+)? s \(idle_timeout_s\)",  # the target's idle sessions
+)]
+_RELAYED = re.compile(r"(target|draft|coordinator) service: [a-z_]+: (.+)")  # a coordinator's, relayed
+_ADDRESS = re.compile(r"ipv[46]:|unix:|dns:|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]*:[0-9a-fA-F:]*\]"
+                      r"|[A-Za-z0-9.-]+:\d{2,5}\b|%5B", re.IGNORECASE)
+
+
+def _known(details: str) -> bool:
+    if any(p.fullmatch(details) for p in _KNOWN_TEXTS):
+        return True
+    relayed = _RELAYED.fullmatch(details)
+    return relayed is not None and _known(relayed.group(2))
+
+
+def client_details(code: grpc.StatusCode, details: str, service: str) -> str:
+    """details where a client may read them, else "" (the caller then names only the code);
+    what is dropped goes to the log, for the operator."""
+    if (code in _SERVICE_CODES and not _ADDRESS.search(details)) or _known(details):
+        return details
+    if details:
+        log.warning("%s service: %s: %s", service, code.name, details)
+    return ""
+
+
+def client_message(e: BaseException, service: str) -> str:
+    """What a client (an API answer, spec_stats.fallback_reason) may read of an error: a typed
+    error's own text (status_error built it from the allowlist, or specd wrote it), a failed
+    call's allowlisted status, else a generic text naming the kind of error."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return str(from_rpc_error(e, service))
+    if isinstance(e, SpecdError):
+        return str(e)
+    log.warning("%s service: %s: %s", service, type(e).__name__, e)
+    return f"{service} service: the session ended ({type(e).__name__})"
 
 
 Observe = Callable[[str, str, float], None]  # (method, status code name, seconds) when a call ends

@@ -10,7 +10,8 @@ settings (services.common.settings.SecurityFields) for its server side and its c
   health check still needs a client certificate, as every call does.
 - Plaintext: allowed on loopback (with one warning line, as Redis' protected mode does) or when
   chosen with `insecure`; a server listening on, or a process dialing, another address with
-  neither TLS nor a token nor `insecure` refuses to start.
+  neither TLS nor `insecure` refuses to start. A token does not count: over plaintext it
+  travels in the clear, for anyone on the path to read and replay.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 AUTH_METADATA = "authorization"
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"  # the health check: probes carry no token
 LOOPBACK_NAMES = {"localhost"}
+# Channels this process has opened (aio_channel, sync_channel): each is a resolution, a
+# handshake and, with TLS, the PEM files read again; tests count them.
+channels_opened = 0
 
 
 class SecurityError(SpecdError):
@@ -139,30 +143,31 @@ class GrpcSecurity:
 
     # -- start-up checks ------------------------------------------------------------------------
     def check_listen(self, host: str, quiet: bool = False) -> None:
-        """Refuse (SecurityError) to serve plaintext without a token on a non-loopback host unless
-        insecure is set; on loopback, say once (unless quiet) that the link is plaintext."""
+        """Refuse (SecurityError) to serve plaintext on a non-loopback host unless insecure is set,
+        token or not; on loopback, say once (unless quiet) that the link is plaintext."""
         if self.tls and self.tls_cert is None:
             raise SecurityError(f"a TLS server needs {self._flag('tls_cert')} and {self._flag('tls_key')} "
                                 f"(only {self._flag('tls_ca')} is set)")
         self._check_plaintext(host, "listen on", quiet)
 
     def check_dial(self, *addresses: str) -> None:
-        """Refuse (SecurityError) to call a non-loopback address in plaintext without a token unless
-        insecure is set ('' addresses, unset, are skipped; every address of a list is checked)."""
+        """Refuse (SecurityError) to call a non-loopback address in plaintext unless insecure is
+        set, token or not ('' addresses, unset, are skipped; every address of a list is checked)."""
         for address in addresses:
             for host in address_hosts(address) if address else []:
                 self._check_plaintext(host, "dial", quiet=True)
 
     def _check_plaintext(self, host: str, verb: str, quiet: bool = False) -> None:
-        if self.tls or self.auth_token or self.insecure:
+        """A token is no protection here: without TLS it crosses the network in the clear."""
+        if self.tls or self.insecure:
             return
         if not is_loopback(host):
+            token = " (a token alone is sent in the clear)" if self.auth_token else ""
             raise SecurityError(
-                f"refusing to {verb} {host} with plaintext gRPC and no token: set {self._flag('tls_cert')}, "
+                f"refusing to {verb} {host} with plaintext gRPC{token}: set {self._flag('tls_cert')}, "
                 f"{self._flag('tls_key')} and {self._flag('tls_ca')} (mTLS: with "
-                f"{self._flag('tls_client_auth')} true), or {self._flag('auth_token')}, or choose plaintext "
-                f"with {self._flag('insecure')} true")
-        if not quiet:
+                f"{self._flag('tls_client_auth')} true), or choose plaintext with {self._flag('insecure')} true")
+        if not quiet and not self.auth_token:
             log.warning("gRPC on %s is plaintext without a token (loopback only; --insecure true silences "
                         "this)", host)
 
@@ -202,6 +207,8 @@ class GrpcSecurity:
 
     def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """A grpc.aio channel to address (open it on the loop that will use it)."""
+        global channels_opened
+        channels_opened += 1
         creds, opts = self.channel_credentials(), self.channel_options(options)
         interceptors = _aio_token_interceptors(self.auth_token) if self.auth_token else None
         if creds is not None:
@@ -210,6 +217,8 @@ class GrpcSecurity:
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         """A blocking grpc channel to address."""
+        global channels_opened
+        channels_opened += 1
         creds, opts = self.channel_credentials(), self.channel_options(options)
         ch = grpc.secure_channel(address, creds, options=opts) if creds else grpc.insecure_channel(address, options=opts)
         return grpc.intercept_channel(ch, _SyncTokenInterceptor(self.auth_token)) if self.auth_token else ch

@@ -198,6 +198,13 @@ class TargetSettings(ModelSettings):
                                      "draft service)")
     datastore: Path | None = Field(None, description="retrieval's datastore (default: the one bundled for the "
                                                      "target)")
+    max_window_tokens: int = Field(64, ge=1, le=4096,
+                                   description="draft tokens (chain and draft-tree side nodes) one verification "
+                                               "may bring; a larger window is refused (INVALID_ARGUMENT naming "
+                                               "tokens): each costs a row of logits and, sampled, a dense q")
+    idle_timeout_s: float = Field(60.0, ge=0, le=86400,
+                                  description="a session that sends no message this long is ended "
+                                              "(DEADLINE_EXCEEDED) and its KV slot freed (0: never)")
 
 
 class CoordinatorSettings(GrpcServiceSettings):
@@ -220,6 +227,11 @@ class CoordinatorSettings(GrpcServiceSettings):
                                      description="at start-up, retry reaching the target (with backoff, health "
                                                  "NOT_SERVING meanwhile) this long, then exit non-zero")
     redis_url: str | None = redis_field()
+    max_draft_tokens: int = Field(64, ge=1, le=256,
+                                  description="largest speculative.max_draft_tokens (or policy parameter "
+                                              "max_draft_tokens) a request may ask; above it the request is "
+                                              "refused (INVALID_ARGUMENT, the gateway's 400). At most the "
+                                              "target's max_window_tokens")
 
 
 class GatewaySettings(ServiceSettings, SecurityFields):
@@ -241,6 +253,21 @@ class GatewaySettings(ServiceSettings, SecurityFields):
     max_concurrent_requests: int = Field(64, ge=0, le=1 << 20,
                                          description="generations in flight beyond which a request is refused "
                                                      "at once with 503 and Retry-After (0: no limit)")
+    max_concurrent_parses: int = Field(4, ge=1, le=1024,
+                                       description="large request bodies parsed and validated at once, off the "
+                                                   "event loop; one more is refused with 503 and Retry-After")
+    stream_send_timeout_s: float = Field(30.0, gt=0, le=86400,
+                                         description="a streaming client that accepts no chunk for this long is "
+                                                     "cut off: its generation is cancelled, its slots freed")
+    limit_concurrency: int = Field(1024, ge=0, le=1 << 20,
+                                   description="open connections (or requests) beyond which uvicorn answers 503 "
+                                               "(0: no limit)")
+    request_read_timeout_s: float = Field(30.0, gt=0, le=3600,
+                                          description="a connection whose request (headers and body) has not all "
+                                                      "arrived this long after it opened, or after its last "
+                                                      "response, is closed (slowloris)")
+    keep_alive_timeout_s: int = Field(5, ge=1, le=3600,
+                                      description="an idle keep-alive connection is closed after this long")
     api_keys: str = Field("", description="comma-separated static API keys, unlimited, named key-1, "
                                           "key-2, ... (kept for old deploys; prefer `specd keys create`)")
     auth: str = Field("required", pattern="^(required|open)$",
@@ -249,6 +276,10 @@ class GatewaySettings(ServiceSettings, SecurityFields):
                                   "open: no key is checked")
     keys_file: Path | None = Field(None, description="JSON file of API keys made by `specd keys create "
                                                      "--keys-file` (unset: the keys in Redis at redis_url)")
+    max_task_tags_per_key: int = Field(50, ge=0, le=100_000,
+                                       description="distinct speculative.task_tag values one API key may use "
+                                                   "(besides default); past it a request uses the key's "
+                                                   "default tag (0: always the default)")
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     startup_timeout_s: float = Field(600.0, gt=0, le=86400,
                                      description="at start-up, retry reaching the coordinator (or the target) "

@@ -21,6 +21,10 @@ from specd.types import SamplingParams, SpecParams, check_text
 MAX_PROMPT_CHARS = 1 << 20
 MAX_MESSAGES = 1024
 MAX_ROLE_CHARS = 32
+# Drafts a request may ask a window to hold (CoordinatorSettings.max_draft_tokens): target work
+# per emitted token grows with it, and 256 dense q's of a 152k vocabulary pass gRPC's 64 MiB.
+# Refused above it rather than clamped: the request asked for something this service does not do.
+MAX_REQUEST_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class GenerateRequest:
     spec: SpecParams = SpecParams()  # policy "none" decodes with the target alone
     overlap: bool | None = None  # PEARL overlap; None = the coordinator's setting
 
-    def validate(self, max_new_tokens_limit: int = 1 << 20) -> None:
+    def validate(self, max_new_tokens_limit: int = 1 << 20,
+                 max_draft_tokens_limit: int = MAX_REQUEST_DRAFT_TOKENS) -> None:
         """InvalidRequest naming the first field beyond the limits above or those of the
         sampling and speculation parameters; cheap, and run before any conversion or tokenizing."""
         if self.prompt is not None:
@@ -56,7 +61,7 @@ class GenerateRequest:
         if self.prompt_ids is not None and len(self.prompt_ids) > MAX_PROMPT_CHARS:
             raise InvalidRequest("prompt_ids", f"at most {MAX_PROMPT_CHARS} tokens, got {len(self.prompt_ids)}")
         self.sampling.validate(max_new_tokens_limit)
-        self.spec.validate()
+        self.spec.validate(max_draft_tokens_limit)
 
 
 @dataclass(frozen=True)

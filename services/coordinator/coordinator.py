@@ -33,6 +33,7 @@ from services.common.security import GrpcSecurity
 from services.common.server import channel
 from services.common.state import AsyncStateStore
 from services.coordinator.api import (
+    MAX_REQUEST_DRAFT_TOKENS,
     Event,
     FinishEvent,
     GenerateRequest,
@@ -68,6 +69,7 @@ class CoordinatorConfig:
     draft_cooldown_s: float = 5.0  # after a failed draft Info, use the target alone this long
     health_timeout_s: float = 0.5  # of one health check of the target (ready())
     security: GrpcSecurity = GrpcSecurity()  # TLS and the token on both channels (default: plaintext)
+    max_draft_tokens: int = MAX_REQUEST_DRAFT_TOKENS  # the most drafts a request may ask per window
 
 
 class Coordinator:
@@ -185,7 +187,7 @@ class Coordinator:
 
     # -- one request ------------------------------------------------------------------------
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        request.validate()  # before tokenizing: a gRPC client may not have come through a gateway
+        request.validate(max_draft_tokens_limit=self.cfg.max_draft_tokens)  # before tokenizing: a gRPC client may not have come through a gateway
         await self._ensure_target()
         # Tokenizing a long prompt takes a while: off the event loop, where every stream runs.
         prompt = await asyncio.to_thread(self._prompt_ids, request)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.convert import sampling_to_proto
-from services.common.grpc_errors import from_rpc_error, status_error
+from services.common.grpc_errors import client_message, from_rpc_error, status_error
 from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
@@ -329,7 +329,7 @@ class RequestLoop:
         try:
             await self.draft_call.write(msg)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._fall_back(f"draft service: {e}", "failed")
+            self._fall_back(client_message(e, "draft"), "failed")  # str(e) carries peer addresses
 
     async def _close_target(self) -> None:
         """Close, then wait for the service to end the call: cancelling a finished session
@@ -375,7 +375,7 @@ class RequestLoop:
         if source == "target_error":
             raise msg
         if source in ("draft_error", "draft_stall"):
-            self._fall_back(str(msg), "failed" if source == "draft_error" else "stalled")
+            self._fall_back(client_message(msg, "draft"), "failed" if source == "draft_error" else "stalled")
             return
         kind = msg.WhichOneof("kind")
         if kind == "token" and msg.token.epoch >= self.epoch and msg.token.position >= len(self.seq):
@@ -395,6 +395,8 @@ class RequestLoop:
                 self.window_ends = [w for w in self.window_ends if w.epoch >= self.epoch]
 
     def _fall_back(self, reason: str, kind: str) -> None:
+        """reason: a client-facing text (grpc_errors.client_message): it reaches the API as
+        spec_stats.fallback_reason."""
         if not self.stats.fallback:
             log.warning("falling back to target-only decoding: %s", reason)
         self.stats.fallback, self.stats.fallback_reason, self.stats.fallback_kind = True, reason, kind

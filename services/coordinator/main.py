@@ -31,7 +31,7 @@ def build_coordinator(s: CoordinatorSettings) -> Coordinator:
     security = GrpcSecurity.from_settings(s)
     security.check_dial(s.target_address, s.draft_address)
     cfg = CoordinatorConfig(s.target_address, s.draft_address or None, s.overlap, s.request_timeout_s,
-                            s.draft_stall_s, security=security)
+                            s.draft_stall_s, security=security, max_draft_tokens=s.max_draft_tokens)
     return Coordinator(cfg, build_state_store(s.redis_url))
 
 

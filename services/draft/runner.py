@@ -29,6 +29,7 @@ import torch
 from services.common.batcher import StepBatcher
 from specd.drafters.base import DraftSession, DraftToken
 from specd.dvi import Record
+from specd.errors import InvalidRequest
 from specd.policies import Decision, StoppingPolicy
 from specd.sampling import request_generator
 from specd.tree import TreePlanner
@@ -138,6 +139,7 @@ class DraftRunner:
         self.plain_until = 0  # no drafting before this position: a stretch of plain rounds promised
         self.trees, self.t_target = trees, t_target
         self.rounds = self.accepted = 0  # verifications and the drafts they kept (a tree's mean tokens)
+        self.vocab_size: int | None = None  # ids a commit may carry (None: any id >= 0)
 
     # -- drafting (a task) ------------------------------------------------------------------
     async def run(self) -> None:
@@ -254,7 +256,13 @@ class DraftRunner:
 
     # -- commits (on the event loop) --------------------------------------------------------
     def commit(self, c: Commit) -> None:
-        """Apply a verification: drafts that equal the committed tokens stay, the rest roll back."""
+        """Apply a verification: drafts that equal the committed tokens stay, the rest roll back.
+        InvalidRequest for a token id outside the vocabulary: fed to the draft model, it would
+        index past its embeddings (a device-side assert on CUDA, which ends the process)."""
+        bad = next((t for t in c.tokens if not 0 <= t < (self.vocab_size or 1 << 31)), None)
+        if bad is not None:
+            raise InvalidRequest("tokens", f"committed token ids must be in [0, {self.vocab_size}), got {bad}"
+                                 if self.vocab_size else f"committed token ids must be >= 0, got {bad}")
         s, new = self.committed, c.tokens
         n = len(new) - 1
         self._pace(s, len(new))

@@ -130,6 +130,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _runner(self, msg: draft_pb2.OpenDraft, publish) -> DraftRunner:
         o = open_from_proto(msg)
+        # Ids the session may be fed: the draft model's rows, and the target's vocabulary where
+        # the coordinator says (a padded table may be larger than either).
+        sizes = [v for v in (self.model.vocab_size if self.model is not None else 0, o.vocab_size) if v]
+        vocab = min(sizes) if sizes else None
+        bad = next((t for t in o.prompt if not 0 <= t < (vocab or 1 << 31)), None)
+        if bad is not None:
+            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab or '2**31'}), got {bad}")
+
         def costs():  # asked by cost-aware and draft trees only
             return costs_from_proto(msg, self.t_draft.value)
 
@@ -140,11 +148,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                            o.spec.relaxed)
         trees = TreePlanner(*shape) if shape[0] and learning is None else None
         curve = (policy.resources.costs or costs()) if trees is not None else None
-        return DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length, o.lookahead,
-                           o.send_distributions and self.drafter.has_distribution, self.executor, publish,
-                           self._on_step, learning.log if learning is not None else None,
-                           lambda: self.drafter.lora_version, self.batcher, self.load_caps, trees,
-                           curve.t_monotone if curve is not None else None)
+        runner = DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length,
+                             o.lookahead, o.send_distributions and self.drafter.has_distribution, self.executor,
+                             publish, self._on_step, learning.log if learning is not None else None,
+                             lambda: self.drafter.lora_version, self.batcher, self.load_caps, trees,
+                             curve.t_monotone if curve is not None else None)
+        runner.vocab_size = vocab
+        return runner
 
     def _on_batch(self, batch: Gathered) -> None:
         self.metrics.batch_size.observe(batch.sessions)

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -37,19 +38,30 @@ from specd.models.loading import LoadedModel
 log = logging.getLogger(__name__)
 TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
 MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
+# Draft tokens (chain and tree side nodes) one Verify may bring: each costs a row of logits
+# (32k positions x 152k logits is about 10 GB) and, sampled, a dense q (256 of them pass gRPC's
+# 64 MiB limit). The largest default cap of a policy is svip's 40.
+MAX_WINDOW_TOKENS = 64
+IDLE_TIMEOUT_S = 60.0  # a session that sends nothing this long is ended and its KV slot freed
+Q_SUM_SLACK = 1e-3  # a dense q sums to 1 within float32 round-off over a large vocabulary
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
                  prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None,
-                 latency_budget: float = 0.0, drafter: Drafter | None = None):
+                 latency_budget: float = 0.0, drafter: Drafter | None = None,
+                 max_window_tokens: int = MAX_WINDOW_TOKENS, idle_timeout_s: float = IDLE_TIMEOUT_S):
         """executor: the compute thread (services.common.compute), one model, one thread.
         latency_budget: refuse new sessions while the open ones see more than this many one-token
         forwards per token, or beyond the sessions the cost surface allows within it (0: neither;
         the KV pool's slots still limit sessions).
-        drafter: a lookup drafter (ngram, retrieval) sessions may draft with here (OpenTarget.speculate)."""
+        drafter: a lookup drafter (ngram, retrieval) sessions may draft with here (OpenTarget.speculate).
+        max_window_tokens: draft tokens one Verify may bring (TargetSettings.max_window_tokens).
+        idle_timeout_s: a session with no message this long ends with DEADLINE_EXCEEDED and frees
+        its KV slot (0: never; TargetSettings.idle_timeout_s)."""
         self.target = target
+        self.max_window_tokens, self.idle_timeout_s = max_window_tokens, idle_timeout_s
         self.drafter = drafter
         # Seconds per drafted token, for cost-aware policies drafting here.
         self.t_draft = measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3) if drafter else 0.0
@@ -120,7 +132,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Session(self, requests, context: grpc.aio.ServicerContext):
         loop = asyncio.get_running_loop()
         stream = aiter(requests)
-        first = await anext(stream, None)
+        first = await self._next_message(anext(stream, None), context)
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
@@ -143,7 +155,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if session.kv.length > cached:
                     self.metrics.observe_prefill_chunk()
             prefill_s = time.perf_counter() - t0
-            while (msg := await (after_run if after_run is not None else anext(stream, None))) is not None:
+            while (msg := await self._next_message(after_run if after_run is not None else anext(stream, None),
+                                                   context)) is not None:
                 after_run = None
                 kind = msg.WhichOneof("kind")
                 if kind == "close":
@@ -191,6 +204,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.sessions.discard(session)
             self.batcher.forget(session.kv)
 
+    async def _next_message(self, reading, context: grpc.aio.ServicerContext):
+        """The client's next message (None: it closed its side), waited for at most
+        idle_timeout_s: a client that opened a session and went quiet (hung, or hostile) would
+        otherwise hold its KV slot for ever. Past it the call ends with DEADLINE_EXCEEDED."""
+        try:
+            async with asyncio.timeout(self.idle_timeout_s or None):
+                return await reading
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"session: no message for {self.idle_timeout_s:g} s (idle_timeout_s)")
+
     async def _new_session(self, open_msg: target_pb2.OpenTarget) -> TargetSession:
         """A session in a free KV slot. Where every slot is taken but some belong to sessions
         that already ended (their slots are freed on the compute thread, behind the forward
@@ -235,9 +259,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """A verification's (ids to feed, logits rows, judge for the compute thread, draft tree
         or None); InvalidRequest for a window this session cannot verify."""
         drafts = list(msg.tokens)
+        n = len(drafts) + len(msg.side_tokens)
+        if n > self.max_window_tokens:
+            raise InvalidRequest("tokens", f"at most {self.max_window_tokens} draft tokens a window, chain and "
+                                           f"side nodes together (the target's max_window_tokens), got {n}")
         session.check_window(drafts, list(msg.probs), bool(msg.distributions), msg.relaxed, msg.top_logprobs)
         tree = session.tree(drafts, list(msg.side_tokens), list(msg.side_parents), msg.relaxed, msg.top_logprobs)
-        q = self._distributions(msg, len(drafts))
+        q = self._distributions(msg, drafts)
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
         ids, start = session.window(drafts, tree), session.kv.length  # start: the position of ids[0]
 
@@ -278,8 +306,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         def costs():
             return local_cost_curve(self.t_draft, self.verify_seconds, self.batcher.decode_cost.value, self.load_fit)
 
-        return LocalDrafting(self.drafter, open_msg.speculate, session.sampling, len(session.seq),
-                             self.target.vocab_size, costs)
+        local = LocalDrafting(self.drafter, open_msg.speculate, session.sampling, len(session.seq),
+                              self.target.vocab_size, costs)
+        cap = local.policy.params.max_draft_tokens
+        if cap > self.max_window_tokens:
+            local.close()
+            raise InvalidRequest("speculate.max_draft_tokens", f"at most {self.max_window_tokens} (the target's "
+                                                               f"max_window_tokens), got {cap}")
+        return local
 
     def _plain_run(self, session: TargetSession, msg: target_pb2.Verify, steps: int,
                    local: LocalDrafting | None = None) -> PlainRun:
@@ -328,17 +362,47 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
             decode_seconds_per_token=self.batcher.decode_cost.value, drafted=drafted))
 
-    def _distributions(self, msg: target_pb2.Verify, k: int) -> torch.Tensor | None:
-        """q [k, V] from the request; None for a point mass (n-gram) or greedy verification."""
+    def _distributions(self, msg: target_pb2.Verify, drafts: list[int]) -> torch.Tensor | None:
+        """q [k, V] from the request; None for a point mass (n-gram) or greedy verification.
+        Checked before use (check_distributions): the rule accepts x when u * q(x) <= p(x), so a
+        q(x) <= 0 accepts every draft, and NaNs or negative entries break the residual."""
         if not msg.distributions:
             return None
+        k, vocab = len(drafts), self.target.vocab_size
         if len(msg.distributions) != k:
             raise InvalidRequest("distributions", f"expected {k} distributions, got {len(msg.distributions)}")
-        try:
-            return torch.stack([distribution_from_proto(d, self.target.vocab_size, self.target.device)
-                                for d in msg.distributions])
-        except ValueError as e:
-            raise InvalidRequest("distributions", str(e)) from None
+        rows = []
+        for i, d in enumerate(msg.distributions):
+            if d.WhichOneof("encoding") != "dense_f32":
+                idx = np.asarray(d.sparse.indices, dtype=np.int64)
+                if len(idx) != len(d.sparse.values) or (idx.size and (idx.min() < 0 or idx.max() >= vocab)):
+                    raise InvalidRequest("distributions", f"distribution {i}: sparse indices must be in "
+                                                          f"[0, {vocab}), one per value")
+            try:  # on the CPU: checked there, then one copy to the device
+                rows.append(distribution_from_proto(d, vocab, torch.device("cpu")))
+            except ValueError as e:
+                raise InvalidRequest("distributions", f"distribution {i}: {e}") from None
+        q = torch.stack(rows)
+        check_distributions(q, drafts)
+        return q.to(self.target.device)
+
+
+def check_distributions(q: torch.Tensor, drafts: list[int]) -> None:
+    """InvalidRequest naming `distributions` unless every row of q [k, V] is finite,
+    non-negative, sums to 1 and gives its drafted token q(x) > 0 (it was drawn from it)."""
+    finite = torch.isfinite(q).all(-1)
+    nonneg = (q >= 0).all(-1)
+    sums = q.sum(-1, dtype=torch.float64)
+    ids = torch.tensor(drafts, dtype=torch.long).clamp(0, q.shape[-1] - 1)  # ids are range-checked later
+    qx = q[torch.arange(len(drafts)), ids]
+    for i in range(len(drafts)):
+        if not (finite[i] and nonneg[i]):
+            raise InvalidRequest("distributions", f"distribution {i}: entries must be finite and non-negative")
+        if abs(float(sums[i]) - 1.0) > Q_SUM_SLACK:
+            raise InvalidRequest("distributions", f"distribution {i}: must sum to 1, sums to {float(sums[i]):.6g}")
+        if not qx[i] > 0:
+            raise InvalidRequest("distributions", f"distribution {i}: q(x) of its drafted token {drafts[i]} must "
+                                                  f"be > 0 (it was drafted from q)")
 
 
 def plain_steps(msg: target_pb2.Verify, drafts_here: bool = False) -> int:

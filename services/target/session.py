@@ -17,6 +17,16 @@ from specd.types import SamplingParams
 from specd.verify import Verdict, verify_window
 
 MAX_TOP_LOGPROBS = 64
+PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
+
+
+def emitted_vocab(target: LoadedModel) -> int:
+    """The ids the target may emit: those its tokenizer knows. Embedding tables are padded past
+    the tokenizer (Qwen2.5-7B: 152,064 logits for 151,665 tokens; its 0.5B draft embeds
+    151,936), and a padding row's id is out of range for a smaller draft (a CUDA assert there)
+    and decodes to nothing."""
+    n = len(target.tokenizer) if target.tokenizer is not None else target.vocab_size
+    return min(n, target.vocab_size)
 
 
 class TargetSession:
@@ -30,6 +40,7 @@ class TargetSession:
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
         self.generator = request_generator(sampling, target.device)
         self.last_reply_at: float | None = None  # when its last verification was answered
+        self.vocab = emitted_vocab(target)  # logits beyond it are never read: no id there is emitted
 
     def prefill(self, chunk: int = 0) -> bool:
         """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft
@@ -50,8 +61,8 @@ class TargetSession:
         a tree: its nodes, the drafts first)."""
         if len(self.seq) + (len(tree) if tree is not None else len(drafts)) >= self.target.max_context + 1:
             raise InvalidRequest("tokens", f"the window would pass the context of {self.target.max_context}")
-        if drafts and (min(drafts) < 0 or max(drafts) >= self.target.vocab_size):
-            raise InvalidRequest("tokens", f"draft token ids must be in [0, {self.target.vocab_size})")
+        if drafts and (min(drafts) < 0 or max(drafts) >= self.vocab):
+            raise InvalidRequest("tokens", f"draft token ids must be in [0, {self.vocab})")
         return self.seq[self.kv.length:] + (tree.tokens if tree is not None else drafts)
 
     def tree(self, drafts: list[int], side_tokens: list[int], side_parents: list[int], relaxed: bool,
@@ -66,13 +77,14 @@ class TargetSession:
             raise InvalidRequest("side_tokens", "top_logprobs are returned for chains, not draft trees")
         if self.features:
             raise InvalidRequest("side_tokens", "a session that returns features verifies chains, not draft trees")
-        return DraftTree.from_nodes(drafts, side_tokens, side_parents, self.target.vocab_size)
+        return DraftTree.from_nodes(drafts, side_tokens, side_parents, self.vocab)
 
     def judge_tree(self, logits: torch.Tensor, tree: DraftTree, q: torch.Tensor | None) -> tuple[Verdict, list[int]]:
         """A tree forward's logits [len(tree) + 1, V] -> (verdict: num_accepted the path's length,
         num_strict its leading chain nodes; the path's tokens); commits it and keeps the path's
         keys and values."""
         committed = len(self.seq)
+        logits, q = self.within_vocab(logits, q)
         v = verify_tree(logits, tree, self.sampling, self.generator, committed, list(q) if q is not None else None)
         self.kv.keep_path(committed, v.path)
         accepted = [tree.tokens[i] for i in v.path]
@@ -86,6 +98,10 @@ class TargetSession:
         relaxed verification without them, or too many top log-probabilities asked for."""
         if len(probs) not in (0, len(drafts)):
             raise InvalidRequest("probs", f"expected {len(drafts)} probabilities, got {len(probs)}")
+        # q(x) <= 0 would accept every draft (u * q(x) <= p(x)): a drafted token had q(x) > 0.
+        bad = next((i for i, p in enumerate(probs) if not 0.0 < p <= 1.0 + PROB_SLACK), None)
+        if bad is not None:
+            raise InvalidRequest("probs", f"q(x) of a drafted token is in (0, 1]; got {probs[bad]} at {bad}")
         if not has_distributions and not self.sampling.greedy and any(p < 1.0 for p in probs):
             raise InvalidRequest("distributions", "sampling verification of drafts with q(x) < 1 "
                                                   "needs their distributions")
@@ -106,10 +122,21 @@ class TargetSession:
         (up to the first rejection) or None, the committed positions' hidden states from start
         or None); commits the verdict. start: the position of the window's first fed token;
         best: the logits' argmax per row, where the batcher read it."""
+        logits, q = self.within_vocab(logits, q)
+        if best is not None and best and max(best) >= self.vocab:
+            best = None  # read again from the logits within the vocabulary
         verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed, best)
         top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
         return verdict, top, feats
+
+    def within_vocab(self, logits: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits (and q) without the columns past the tokenizer: a view, so every path (greedy,
+        sampled, seeded, trees; drafted or the target alone) samples and takes its argmax as if
+        those ids were masked to -inf. Nothing changes where the tokenizer covers every row."""
+        if logits.shape[-1] <= self.vocab:
+            return logits, q
+        return logits[..., :self.vocab], q[..., :self.vocab] if q is not None else None
 
     def verify(self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
                relaxed_threshold: float | None, relaxed: bool, best: list[int] | None = None) -> Verdict:

@@ -273,6 +273,35 @@ def test_reflection_only_when_asked(secure_target, token_target, pki):
 
 # -- start-up checks -----------------------------------------------------------------------------
 
+def own_address() -> str:
+    """An address of this machine that is not loopback (its hostname's, else 0.0.0.0)."""
+    import socket
+
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "0.0.0.0"
+    return "0.0.0.0" if ip.startswith("127.") else ip
+
+
+def test_a_token_alone_does_not_allow_plaintext_off_loopback(service_loop, chat_pair):
+    """The token crosses a plaintext link in the clear: a bind (a real `start`) or a dial off
+    loopback with a token but neither TLS nor insecure is refused, naming insecure."""
+    host = own_address()
+    servicer = TargetServicer(chat_pair[0])
+    try:
+        for bind in (host, "0.0.0.0"):
+            with pytest.raises(SecurityError, match=r"sent in the clear.*--insecure \(SPECD_TARGET_INSECURE\)"):
+                service_loop.run(start_target(TargetSettings(host=bind, port=0, auth_token=TOKEN), servicer))
+    finally:
+        servicer.close()
+    with pytest.raises(SecurityError, match="insecure"):
+        GrpcSecurity(auth_token=TOKEN).check_dial(f"{host}:50062")
+    with pytest.raises(SecurityError, match="insecure"):
+        GrpcSecurity(auth_token=TOKEN).check_dial("target:50062")
+    GrpcSecurity(auth_token=TOKEN, insecure=True).check_dial("target:50062")
+
+
 def test_a_non_loopback_plaintext_bind_refuses_to_start(service_loop, chat_pair):
     servicer = TargetServicer(chat_pair[0])
     try:
@@ -288,7 +317,8 @@ def test_plaintext_is_allowed_on_loopback_or_when_chosen(caplog):
         GrpcSecurity().check_listen(host)
     assert "plaintext" in caplog.text
     GrpcSecurity(insecure=True).check_listen("0.0.0.0")
-    GrpcSecurity(auth_token=TOKEN).check_listen("0.0.0.0")
+    GrpcSecurity(auth_token=TOKEN, insecure=True).check_listen("0.0.0.0")
+    GrpcSecurity(auth_token=TOKEN).check_listen("127.0.0.1")
     GrpcSecurity(insecure=True).check_dial("target:50062", "")
     with pytest.raises(SecurityError, match="refusing to dial target"):
         GrpcSecurity().check_dial("127.0.0.1:1", "target:50062")

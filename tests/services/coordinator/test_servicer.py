@@ -197,6 +197,11 @@ def test_a_caller_that_stops_at_the_finish_ends_the_call_as_ok_not_cancelled(coo
 @pytest.mark.parametrize("options, field", [
     ({"policy": "nope"}, "policy"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    # above the server's cap on a window (api.MAX_REQUEST_DRAFT_TOKENS, CoordinatorSettings.max_draft_tokens):
+    # target work per emitted token, and dense q's past gRPC's message limit
+    ({"policy": "constant", "max_draft_tokens": 65}, "max_draft_tokens"),
+    ({"policy": "constant", "max_draft_tokens": 256, "policy_params": {"k": 256}}, "max_draft_tokens"),
+    ({"policy": "constant", "policy_params": {"max_draft_tokens": 256}}, "policy_params.max_draft_tokens"),
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field(coordinator_service, options, field):
     with grpc.insecure_channel(coordinator_service.address) as ch, pytest.raises(grpc.RpcError) as raw:
@@ -332,3 +337,47 @@ def test_a_gateway_spreads_requests_over_several_coordinators_and_outlives_one(c
         for coordinator, server, _, _ in started:
             service_loop.run(server.stop(0))
             service_loop.run(coordinator.close())
+
+
+def test_health_probes_of_a_remote_backend_reuse_its_channel(coordinator_service):
+    """/health is unauthenticated: a probe must not cost a channel (a resolution, a handshake,
+    TLS files read again). Many probes in a row, and at once, open none beyond the backend's own,
+    counted where every channel is made (services.common.security); and it still sees the
+    coordinator go NOT_SERVING."""
+    from services.common import security
+    from services.common.server import set_serving
+
+    def serving(on: bool):  # on the service's own loop
+        return asyncio.to_thread(coordinator_service.loop.run,
+                                 set_serving(coordinator_service.server, [SERVICE_NAME], on))
+
+    async def run():
+        before = security.channels_opened
+        backend = RemoteBackend(coordinator_service.address)
+        try:
+            await backend.connect()
+            answers = [await backend.ready() for _ in range(50)]
+            answers += await asyncio.gather(*(backend.ready() for _ in range(50)))
+            opened = security.channels_opened - before
+            await serving(False)
+            for _ in range(500):  # the cached answer expires within HEALTH_CACHE_S
+                if not await backend.ready():
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the backend never saw NOT_SERVING")
+            return answers, opened
+        finally:
+            await serving(True)
+            await backend.close()
+
+    answers, opened = asyncio.run(run())
+    assert all(answers) and opened == 1, opened
+
+
+def test_the_draft_cap_is_the_settings_and_within_the_targets_window():
+    from services.common.settings import TargetSettings
+    from services.coordinator.api import MAX_REQUEST_DRAFT_TOKENS
+
+    assert CoordinatorSettings().max_draft_tokens == MAX_REQUEST_DRAFT_TOKENS <= TargetSettings().max_window_tokens
+    GenerateRequest(prompt="a", spec=SpecParams("constant", MAX_REQUEST_DRAFT_TOKENS)).validate()
