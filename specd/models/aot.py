@@ -99,6 +99,7 @@ def _known_tensors(pool: KVPool) -> dict[str, torch.Tensor]:
     """Every tensor the pool's forward may read as a constant, by a name stable across processes."""
     known = {f"model.{n}": t for n, t in pool.lean.model.named_parameters()}
     known.update({f"model.{n}": t for n, t in pool.lean.model.named_buffers()})
+    known.update(pool.lean.derived())
     return known
 
 
@@ -167,7 +168,9 @@ class AotRunner:
     def invalidate(self) -> None:
         """Point the library at the model's tensors as they are now (after a weight was replaced)."""
         known = _known_tensors(self.pool)
-        self.library.load_constants({fqn: known[name] for fqn, name in self._names.items()},
+        # a constant the compiler folded away is not the library's to take (the probe checks the rest)
+        fqns = set(self.library.get_constant_fqns())
+        self.library.load_constants({fqn: known[name] for fqn, name in self._names.items() if fqn in fqns},
                                     check_full_update=True, user_managed=True)
 
     def _compile(self, names_file: Path) -> None:

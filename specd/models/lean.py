@@ -249,6 +249,17 @@ class LeanModel:
     def _fuse(self) -> None:
         self.layers = [Layer(layer, self.arch, self._index(layer, i), self._layer_rope[i])
                        for i, layer in enumerate(self.decoder_layers)]
+        scale = getattr(self.embed, "embed_scale", None)
+        self._embed_scale = None if scale is None else float(scale.to(self.embed.weight.dtype))
+        self._scales = {}  # Gemma: each norm's 1 + w in float32, made once (a constant, not a step's work)
+        if self.arch.gemma_norm:
+            with torch.inference_mode(False), torch.no_grad():
+                for layer in self.layers:
+                    for n in (layer.norm_in, layer.norm_attn, layer.norm_mlp_in, layer.norm_mlp_out, layer.q_norm,
+                              layer.k_norm):
+                        if n is not None:
+                            self._scales[id(n)] = 1.0 + n.weight.float()
+                self._scales[id(self.norm)] = 1.0 + self.norm.weight.float()
         self._fused_from = self._stamps()
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
@@ -260,8 +271,13 @@ class LeanModel:
         """What the fused copies were made from: each source weight's storage, dtype and
         in-place version (an inference tensor has none; nothing here writes weights in
         inference mode)."""
+        sources = [p for layer in self.layers for p in layer.sources]
+        if self.arch.gemma_norm:  # their scales are made from the norms' weights
+            sources += [n for layer in self.layers for n in (layer.norm_in, layer.norm_attn, layer.norm_mlp_in,
+                                                            layer.norm_mlp_out, layer.q_norm, layer.k_norm)
+                        if n is not None] + [self.norm]
         return [(p.weight.data_ptr(), p.weight.dtype, -1 if p.weight.is_inference() else p.weight._version)
-                for layer in self.layers for p in layer.sources]
+                for p in sources]
 
     def _refresh(self) -> None:
         if self._stamps() != self._fused_from:  # a source weight was replaced, converted or changed
@@ -299,8 +315,35 @@ class LeanModel:
         if self.arch.gemma_norm:
             h = x.float()
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _eps(norm))
-            return (h * (1.0 + norm.weight.float())).type_as(x)
+            return (h * self._scales[id(norm)]).type_as(x)
         return self._rms(norm, x)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings; Gemma's scaled by sqrt(hidden) as its module scales them (the
+        scale rounded to the model's dtype first), here a number rather than a 0-dim tensor,
+        which a compiled forward would inline and drop from its constants."""
+        if self._embed_scale is None:
+            return self.embed(ids)
+        return F.embedding(ids, self.embed.weight) * self._embed_scale
+
+    def derived(self) -> dict[str, torch.Tensor]:
+        """The tensors this forward reads that are not the model's own (concatenated biases,
+        Gemma's norm scales 1 + w), by names stable across processes: what a compiled forward
+        (specd.models.aot) takes as constants beside the model's parameters."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv_bias", "gate_up_bias"):
+                if getattr(layer, name) is not None:
+                    out[f"lean.layers.{i}.{name}"] = getattr(layer, name)
+        if self.arch.gemma_norm:
+            norms = {id(n): n for layer in self.layers
+                     for n in (layer.norm_in, layer.norm_attn, layer.norm_mlp_in, layer.norm_mlp_out, layer.q_norm,
+                               layer.k_norm) if n is not None}
+            norms[id(self.norm)] = self.norm
+            names = {id(m): n for n, m in self.model.named_modules()}
+            for key in norms:
+                out[f"lean.scale.{names.get(key, key)}"] = self._scales[key]
+        return out
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -429,7 +472,7 @@ class LeanModel:
                     masks[w] = self.window_mask(base, w, keys, query)
                 else:
                     masks[w] = mask
-        h = self.embed(input_ids)
+        h = self.embed_ids(input_ids)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope]
             x = self.rms(layer.norm_in, h)

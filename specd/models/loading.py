@@ -69,7 +69,7 @@ class LoadedModel:
             raise InvalidRequest("cuda_graphs", "CUDA graphs need a CUDA device")
         check_cpu_compile(compiled)
         if compiled == "on" and not graphs and not cpu_compilable(self.model, self.device):
-            raise InvalidRequest("cpu_compile", "compiled forwards need a float32 Llama model on the CPU")
+            raise InvalidRequest("cpu_compile", "compiled forwards need a float32 model on the CPU")
         if self._lean is None:
             self._lean = LeanModel(self.model)
         length = min(max_len or self.max_context, self.max_context)
@@ -293,15 +293,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
 
 def cpu_compilable(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether a pool of this model can run compiled CPU forwards: a float32 Llama on the CPU.
-    Other families' pools run eagerly there: the one tried (Gemma 2) failed to load its library
-    (a constant the trace lifted that specd does not name), so none is compiled until each is
-    tested (docs/engine.md)."""
+    """Whether a pool of this model can run compiled CPU forwards: float32 on the CPU."""
     weight = model.get_input_embeddings().weight
-    config = getattr(model, "config", None)
-    plain = (getattr(config, "model_type", None) == "llama" and not getattr(config, "attention_bias", False)
-             and not getattr(config, "mlp_bias", False))
-    return device.type == "cpu" and weight.dtype == torch.float32 and plain
+    return device.type == "cpu" and weight.dtype == torch.float32
 
 
 def compile_pays(model: torch.nn.Module, device: torch.device) -> bool:

@@ -427,7 +427,7 @@ class KVPool:
         tables = self.tables if tables is None else [(tables[j], tables[j + 1]) for j in range(0, len(tables), 2)]
         rope = [(c[x.rope_pos][:, None], s[x.rope_pos][:, None]) for c, s in tables]  # [B, 1, T, D] per kind
         rows = x.slots[:, None]
-        h = lean.embed(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
+        h = lean.embed_ids(x.input_ids if real is None else x.input_ids.reshape(-1)[real][None])
         for i, layer in enumerate(lean.layers):
             cos, sin = rope[layer.rope]
             mask = masks[layer.window]
@@ -495,7 +495,7 @@ class KVPool:
         gemv = 1 < batch * width <= self.gemv_rows
         # compiled for inference: a forward that tracks gradients (a drafter learning) runs eagerly
         run = self.layer if self.compiled_layer is None or torch.is_grad_enabled() else self.compiled_layer
-        h = lean.embed(x.input_ids)
+        h = lean.embed_ids(x.input_ids)
         for i, (layer, weights) in enumerate(zip(lean.layers, self._layer_weights())):
             bias, bias_rows = biases[layer.window]
             cos, sin = rope[layer.rope]

@@ -211,3 +211,36 @@ def test_fused_layers_through_torch_compile_equal_transformers():
     _close(s.extend(ids[:40], 40)[0], ref[:40])
     for at in range(40, 60, 5):
         _close(s.extend(ids[at:at + 5], 5)[0], ref[at:at + 5])
+
+
+@pytest.mark.slow
+def test_a_compiled_cpu_forward_of_gemma2_with_biases_equals_transformers(tmp_path):
+    """The CPU's ahead-of-time compiled forward (specd.models.aot) of the family furthest from
+    Llama, with attention biases too: what it reads beside the model's weights (concatenated
+    biases, Gemma's norm scales) are constants it names, and its logits are transformers'."""
+    from specd.models.aot import AotRunner, compile_supported
+
+    if compile_supported() is not None:
+        pytest.skip(compile_supported())
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           attention_bias=True, sliding_window=24, query_pre_attn_scalar=24,
+                                           attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                                           initializer_range=0.3, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.2)
+    ids = _sequence(4, 60)
+    ref = reference_logits(model, "gemma2", ids)
+    target = loaded(model, "gemma2-biased", forward="lean")
+    target.use_pool(2, 128, compiled="on", cache_dir=tmp_path)
+    runner = target.pool.runner
+    assert isinstance(runner, AotRunner)
+    s = target.session()
+    got = [s.extend(ids[:20], 20)[0]] + [s.extend(ids[at:at + 4], 4)[0] for at in range(20, 60, 4)]
+    assert runner.runs >= 10
+    _close(torch.cat(got), ref)
