@@ -40,38 +40,63 @@ class TextStream:
         self.ids: list[int] = []  # every kept id, in order
         self.stopped = False
         self._prefix = 0  # ids[_prefix:_read] is the last decoded chunk, context for the next
-        self._read = 0  # ids before _read are decoded into _stable
-        self._stable = ""  # text of ids[:_read] (cut at a stop string)
+        self._read = 0  # ids before _read are decoded into the stable text
+        self._pieces: list[str] = []  # the stable text (of ids[:_read], cut at a stop string), in pieces
+        self._stable_len = 0
         self._tail = ""  # text of ids[_read:] before a character they split
         self._released = 0  # characters of self.text already returned
+        self._longest = max(map(len, self.stop), default=0)
 
     @property
     def text(self) -> str:
         """The text decoded so far, without any incomplete character."""
-        return self._stable + self._tail
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return (self._pieces[0] if self._pieces else "") + self._tail
 
     def push(self, token_ids: Sequence[int]) -> Delta:
         """Add newly generated ids; returns the text that became stable."""
         if self.stopped:
             return Delta((), "")
-        start, undecoded = len(self.ids), self._read
+        start, mark = len(self.ids), self._mark()
         self.ids.extend(token_ids)
         self._decode_window(final=False)
-        return self._release(start, undecoded, final=False)
+        return self._release(start, mark, final=False)
 
     def finish(self) -> Delta:
         """The generation ended: release everything still held back."""
         if self.stopped:
             return Delta((), "")
-        undecoded = self._read
+        mark = self._mark()
         self._decode_window(final=True)
-        return self._release(len(self.ids), undecoded, final=True)
+        return self._release(len(self.ids), mark, final=True)
 
     # -- internals --------------------------------------------------------------------------
+    # Every step costs O(new ids + longest stop string): the text is kept in pieces and only
+    # its unreleased end is looked at, so a long generation never makes a push slower.
+
     def _decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:  # an id-only model: tokens, no text
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _since(self, i: int) -> str:
+        """self.text[i:], from the last pieces only."""
+        need, parts = self._stable_len - i, []
+        for piece in reversed(self._pieces):
+            if need <= 0:
+                break
+            parts.append(piece if len(piece) <= need else piece[len(piece) - need:])
+            need -= len(piece)
+        stable = "".join(reversed(parts))
+        return stable + self._tail[max(0, i - self._stable_len):]
+
+    def _mark(self) -> tuple[int, int, str]:
+        """What finding the ids through a stop needs of the state before a push: the window's
+        start, the first id not yet decoded for good, and the stable text's last characters
+        (a stop string found later ends beyond them, so no earlier text matters)."""
+        recent = self._since(max(0, self._stable_len - self._longest))[:min(self._longest, self._stable_len)]
+        return self._prefix, self._read, recent
 
     def _decode_window(self, final: bool) -> None:
         if self._read == len(self.ids):
@@ -84,33 +109,51 @@ class TextStream:
             # window again once the rest of the character's bytes arrive.
             self._tail = new.rstrip(REPLACEMENT_CHAR)
         elif new or final:
-            self._stable += new
+            self._pieces.append(new)
+            self._stable_len += len(new)
             self._tail = ""
             self._prefix, self._read = self._read, len(self.ids)
 
-    def _release(self, start: int, undecoded: int, final: bool) -> Delta:
-        """start: index of this push's first id; undecoded: of the first id not yet decoded
-        for good before this push (earlier when a split character was waiting)."""
-        cut = first_stop(self.text, self.stop, self._released)
+    def _release(self, start: int, mark: tuple[int, int, str], final: bool) -> Delta:
+        """start: index of this push's first id; mark: the state before it (_mark)."""
+        total = self._stable_len + len(self._tail)
+        pending = self._since(self._released)
+        cut = first_stop(pending, self.stop, 0)
         if cut is not None:
             self.stopped = True
-            self._stable, self._tail = self.text[:cut], ""
-            del self.ids[max(start, self._ids_through_stop(undecoded)):]  # never un-report ids
-            end = cut
+            del self.ids[max(start, self._ids_through_stop(*mark)):]  # never un-report ids
+            end = self._released + cut
+            self._pieces, self._stable_len, self._tail = [self.text[:end]], end, ""
         else:
-            end = len(self.text) if final else len(self.text) - held_back(self.text, self.stop)
+            recent = pending if final else self._since(max(0, total - self._longest))
+            end = total if final else total - held_back(recent, self.stop)
             end = max(end, self._released)
-        delta = Delta(tuple(self.ids[start:]), self.text[self._released:end])
+        delta = Delta(tuple(self.ids[start:]), pending[:end - self._released])
         self._released = end
         return delta
 
-    def _ids_through_stop(self, undecoded: int) -> int:
-        """How many ids to keep: the fewest whose decoding contains a stop string. Runs once per
-        request (at the stop) over the few ids decoded last, so full decodes are affordable."""
-        for end in range(undecoded + 1, len(self.ids) + 1):
-            if first_stop(self._decode(self.ids[:end]), self.stop, 0) is not None:
-                return end
-        return len(self.ids)
+    def _ids_through_stop(self, prefix: int, undecoded: int, before: str) -> int:
+        """How many ids to keep: the fewest whose decoding contains a stop string. The text of
+        ids[:end] is `before` and the window decoded from `prefix`; a stop string appearing is
+        monotone in end, so a binary search over the new ids finds the first that completes one
+        (a stop string holding U+FFFD is not monotone: a linear search then)."""
+        context = len(self._decode(self.ids[prefix:undecoded]))
+
+        def stops(end: int) -> bool:
+            return first_stop(before + self._decode(self.ids[prefix:end])[context:], self.stop, 0) is not None
+
+        lo, hi = undecoded + 1, len(self.ids)
+        if any(REPLACEMENT_CHAR in s for s in self.stop):
+            return next((end for end in range(lo, hi + 1) if stops(end)), hi)
+        if lo > hi or not stops(hi):
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stops(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
 
 def first_stop(text: str, stop: tuple[str, ...], start: int) -> int | None:

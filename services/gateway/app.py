@@ -3,6 +3,14 @@
 Routes only translate: JSON -> GenerateRequest (convert) -> backend.generate -> JSON or
 Server-Sent Events. Errors are raised, never handled here; `errors.install` maps them.
 
+Bodies over PARSE_OFF_LOOP_BYTES are parsed and validated in a worker thread by a pure-Python
+JSON scanner, which yields the GIL as it goes (the C one holds it for the whole body), at most
+max_concurrent_parses at a time (one more: 503 and Retry-After): a large hostile body then
+delays no other client's stream or /health.
+
+A stream whose client accepts no chunk for stream_send_timeout_s (it stopped reading) is ended
+as a disconnect is: the backend iterator is closed and the admission and lease released.
+
 Two rules keep streams honest:
 - the first backend event is awaited before any response starts, so a bad parameter (which
   the backend reports before its first event) is a 400, not a broken stream;
@@ -15,7 +23,11 @@ Two rules keep streams honest:
 from __future__ import annotations
 
 import asyncio
+import email.message
 import json
+import json.decoder
+import json.scanner
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,10 +35,13 @@ from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -48,6 +63,9 @@ from services.gateway.schemas import (
 from specd import __version__
 from specd.errors import Overloaded, Unavailable
 
+log = logging.getLogger(__name__)
+
+PARSE_OFF_LOOP_BYTES = 64 << 10  # smaller bodies parse on the loop in well under a millisecond
 
 class Admission:
     """At most `limit` generations in flight on this gateway (0: no limit); one more is refused
@@ -77,6 +95,84 @@ class Admission:
         return release
 
 
+def _py_decoder() -> json.JSONDecoder:
+    """json.loads' own grammar (NaN, lone surrogates: as FastAPI reads a body) through the
+    pure-Python scanner, so that a thread parsing a large body lets the event loop run."""
+    decoder = json.JSONDecoder()
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    return decoder
+
+
+_DECODER = _py_decoder()
+
+
+def _validate(model: type[BaseModel], body: bytes) -> BaseModel | Exception:
+    """The request model of body, or the error FastAPI itself would raise for it."""
+    try:
+        obj = _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+    except json.JSONDecodeError as e:
+        return RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                        "input": {}, "ctx": {"error": e.msg}}])
+    except (UnicodeDecodeError, RecursionError):
+        return HTTPException(400, "There was an error parsing the body")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        return RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)])
+
+
+class BodyParser:
+    """Parses large request bodies in worker threads, at most `limit` at once: one more is
+    refused at once with Overloaded (503, Retry-After)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.busy = limit, 0
+
+    async def parse(self, model: type[BaseModel], body: bytes) -> BaseModel:
+        if self.busy >= self.limit:
+            raise Overloaded(f"the gateway is parsing its limit of {self.limit} large request bodies; retry")
+        self.busy += 1
+        try:
+            result = await anyio.to_thread.run_sync(_validate, model, body)
+        finally:
+            self.busy -= 1
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def _json_content(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this content type as JSON (with its strict default)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+class _OffLoopBody(APIRoute):
+    """A large JSON body is parsed and validated by the gateway's BodyParser before FastAPI
+    sees it; FastAPI then finds the validated model as the request's JSON and keeps it as is."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+        model = self.body_field.field_info.annotation if self.body_field is not None else None
+
+        async def parse_first(request: Request) -> Response:
+            if model is not None and _json_content(request.headers.get("content-type")):
+                body = await request.body()
+                if len(body) > PARSE_OFF_LOOP_BYTES:
+                    request._json = await request.app.state.gateway.parser.parse(model, body)
+            return await handler(request)
+
+        return parse_first
+
+
+class GatewayRoute(KeyedRoute, _OffLoopBody):
+    """The key is checked first (KeyedRoute), then a large body parsed off the loop."""
+
+
 @dataclass(frozen=True)
 class Gateway:
     """Everything the routes need, fixed at start-up."""
@@ -88,6 +184,8 @@ class Gateway:
     metrics: GatewayMetrics
     started: int  # unix time, the models' `created`
     admission: Admission = field(default_factory=Admission)
+    parser: BodyParser = field(default_factory=lambda: BodyParser(4))
+    stream_send_timeout_s: float = 30.0
 
 
 def _gateway(request: Request) -> Gateway:
@@ -99,7 +197,7 @@ _bearer = HTTPBearer(auto_error=False)  # documents the scheme; KeyedRoute check
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 500, 503)}
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer)], responses=_ERRORS, route_class=KeyedRoute)
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer)], responses=_ERRORS, route_class=GatewayRoute)
 ops = APIRouter()
 
 
@@ -156,6 +254,7 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
         # Over the key's limits: 429 at once. The lease ends the admission and the key's lease.
         lease = await gw.auth.admit(request, gen.sampling.max_new_tokens, release)
         release = lease.close
+        gen = await gw.auth.scope_task_tag(request, gen)  # the key's own tags, capped (after admission)
         events = gw.backend.generate(gen)
         try:
             first = await anext(events)  # a bad request raises here, before any byte is sent
@@ -170,9 +269,9 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             streaming = True  # the stream releases its admission when it ends, however it ends
             return EventStream(_sse(request, events, first, head,
                                     lambda event: to_chunks(env, lease.observe(event), body.include_usage)),
-                               on_close=release)
+                               on_close=release, send_timeout_s=gw.stream_send_timeout_s)
         try:
-            text, finish = await _collect(request, first, events)
+            text, finish = await _collect(request, first, events, lease.observe)
         finally:
             await _aclose(events)
         lease.observe(finish)
@@ -182,15 +281,17 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             release()
 
 
-async def _collect(request: Request, first: Event, events: AsyncIterator[Event]) -> tuple[str, FinishEvent]:
+async def _collect(request: Request, first: Event, events: AsyncIterator[Event],
+                   observe=lambda event: event) -> tuple[str, FinishEvent]:
     """The whole answer, or ClientDisconnect as soon as the client leaves: nobody would read
-    it, and closing the backend iterator frees the session now rather than at the end."""
+    it, and closing the backend iterator frees the session now rather than at the end. observe:
+    each token event, as it comes (the key's lease counts what a cut answer cost)."""
     with anyio.CancelScope() as scope:
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, scope))
         try:
             parts, event = [], first
             while not isinstance(event, FinishEvent):
-                parts.append(event.text)
+                parts.append(observe(event).text)
                 event = await anext(events)
             return "".join(parts), event
         finally:
@@ -236,19 +337,34 @@ async def _aclose(events: AsyncIterator[Event]) -> None:
         await aclose()
 
 
+class SendTimeout(Exception):
+    """The client accepted no chunk within the stream's send timeout."""
+
+
 class EventStream(StreamingResponse):
     """A Server-Sent Events response that closes its body iterator (and so the backend's)
-    whenever the response ends, however it ends."""
+    whenever the response ends, however it ends; one whose client accepts no chunk for
+    send_timeout_s ends there (the ASGI server then drops the connection)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] = lambda: None):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] = lambda: None,
+                 send_timeout_s: float | None = None):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
+        self.on_close, self.send_timeout_s = on_close, send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message) -> None:
+            with anyio.move_on_after(self.send_timeout_s) as timer:
+                await send(message)
+            if timer.cancelled_caught:
+                raise SendTimeout()
+
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                await super().__call__(scope, receive, send if self.send_timeout_s is None else timed_send)
+            except* SendTimeout:
+                log.warning("ended a stream whose client accepted nothing for %s s", self.send_timeout_s)
         finally:
             try:
                 with anyio.CancelScope(shield=True):
@@ -262,14 +378,16 @@ class EventStream(StreamingResponse):
 def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy: str = "cost-aware",
                api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None,
                max_concurrent_requests: int = 0, max_body_bytes: int = 4 << 20, keys: KeyRing | None = None,
-               limiter: Limiter | None = None) -> FastAPI:
+               limiter: Limiter | None = None, max_concurrent_parses: int = 4,
+               stream_send_timeout_s: float = 30.0) -> FastAPI:
     """The gateway over `backend`. max_concurrent_requests: generations in flight beyond which
     a request is refused at once (503, Retry-After; 0: no limit). max_body_bytes: a larger
     request body is refused with 413 before it is read (0: no limit). With keys (a KeyRing) or
     api_keys (static keys), /v1 routes need `Authorization: Bearer <key>`, checked before the body
     is read, and each key's limits apply (limiter: shared by replicas through Redis; default: this
     process's memory); without either the API is open. /health and /metrics stay open for probes
-    and Prometheus. /metrics serves `registry` (an
+    and Prometheus. max_concurrent_parses: large bodies parsed at once (off the loop);
+    stream_send_timeout_s: a stream whose client accepts nothing this long is ended. /metrics serves `registry` (an
     in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,
                   description="OpenAI-compatible API over speculative decoding. Per-request speculation "
@@ -280,7 +398,8 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
         keys = KeyRing(static_keys=sorted(api_keys))
     auth = Auth(keys, limiter, metrics)
     app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, auth, metrics, int(time.time()),
-                                Admission(max_concurrent_requests))
+                                Admission(max_concurrent_requests), BodyParser(max_concurrent_parses),
+                                stream_send_timeout_s)
     app.include_router(v1)
     app.include_router(ops)
     errors.install(app)

@@ -6,14 +6,17 @@ same registry.
   specd_gateway_requests_total{route, status}     HTTP requests by route template and status
   specd_gateway_request_duration_seconds{route}   until the response (or the stream) ended
   specd_active_sessions{service="gateway"}        HTTP requests in progress
-  specd_gateway_key_requests_total{key, outcome}  generation requests per API key name: admitted,
+  specd_gateway_key_requests_total{key, outcome}  generation requests per API key: admitted,
                                                   rate_limited (requests, tokens or concurrent)
-  specd_gateway_key_tokens_total{key}             completion tokens generated per API key name
+  specd_gateway_key_tokens_total{key}             completion tokens generated per API key
   specd_gateway_key_store_errors_total{op}        the key store (op="lookup") or the rate limiter
                                                   (op="limits") unreachable: limits not enforced
 
-The `key` label is the key's name, for the first MAX_KEY_LABELS names a gateway sees, then
-"other" (bounded cardinality).
+The `key` label is opaque, key_label(name): /metrics is open on the API port, and customers'
+key names must not be read there. It is stable (every replica gives a key the same label), for
+the first MAX_KEY_LABELS names a gateway sees, then "other" (bounded cardinality). An operator
+maps a name to its label with `python -c "from services.gateway.metrics import key_label;
+print(key_label('NAME'))"`.
 
 PromQL: the error ratio, and p95 latency per route
   sum(rate(specd_gateway_requests_total{status=~"5.."}[5m])) / sum(rate(specd_gateway_requests_total[5m]))
@@ -22,6 +25,7 @@ PromQL: the error ratio, and p95 latency per route
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from prometheus_client import (
@@ -40,6 +44,11 @@ MAX_KEY_LABELS = 100  # API key names that get a label of their own; later ones 
 OTHER_KEYS = "other"
 
 
+def key_label(name: str) -> str:
+    """The opaque `key` label of a key name: "k" and 12 hex digits of its SHA-256."""
+    return "k" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or new_registry()
@@ -50,9 +59,9 @@ class GatewayMetrics:
                                   "HTTP request duration until its last byte was sent (or it ended)", ["route"],
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
         self.key_requests = Counter("specd_gateway_key_requests",
-                                    "generation requests per API key name and outcome", ["key", "outcome"],
+                                    "generation requests per API key (opaque label) and outcome", ["key", "outcome"],
                                     registry=self.registry)
-        self.key_tokens = Counter("specd_gateway_key_tokens", "completion tokens generated per API key name",
+        self.key_tokens = Counter("specd_gateway_key_tokens", "completion tokens generated per API key (opaque label)",
                                   ["key"], registry=self.registry)
         self.key_store_errors = Counter("specd_gateway_key_store_errors",
                                         "key store (lookup) or rate limiter (limits) unreachable", ["op"],
@@ -61,12 +70,12 @@ class GatewayMetrics:
         active_sessions(self.registry, "gateway", lambda: self.active)
 
     def key_label(self, name: str) -> str:
-        """The `key` label of a key name: itself for the first MAX_KEY_LABELS names, then "other"."""
+        """The `key` label of a key name: key_label(name) for the first MAX_KEY_LABELS names, then "other"."""
         if name in self._key_labels:
-            return name
+            return key_label(name)
         if len(self._key_labels) < MAX_KEY_LABELS:
             self._key_labels.add(name)
-            return name
+            return key_label(name)
         return OTHER_KEYS
 
     def render(self) -> tuple[bytes, str]:

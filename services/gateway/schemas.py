@@ -5,6 +5,10 @@ Unknown request fields are accepted and ignored, as OpenAI clients send many; th
 would change the answer and that this server does not implement (n > 1, logprobs, echo,
 best_of, penalties, tools, ...) are listed explicitly and refused with a 400 naming them when
 set to anything but their default.
+
+Every list and dict has a length cap checked as it is validated (MAX_MESSAGES is the
+coordinator's own cap), so that an oversized request fails at its first item over the cap
+rather than after every item was validated.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from services.coordinator.api import MAX_MESSAGES
 from specd.types import (
     MAX_BRANCHES,
     MAX_DRAFT_TOKENS,
@@ -24,6 +29,10 @@ from specd.types import (
 )
 
 # -- requests ---------------------------------------------------------------------------------
+
+MAX_CONTENT_PARTS = MAX_MESSAGES  # text parts of one message
+MAX_UNSUPPORTED_ITEMS = 128  # tools, functions (OpenAI's own cap), logit_bias entries, response_format keys
+MAX_PROMPTS = 16  # a prompt list (only one prompt is served; more are refused by name)
 
 
 def _only(*allowed: Any) -> AfterValidator:
@@ -91,7 +100,7 @@ class _Knobs(BaseModel):
     n: Annotated[int | None, AfterValidator(_one)] = None
     presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
     frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    logit_bias: Annotated[dict | None, _only(None, {})] = None
+    logit_bias: Annotated[Annotated[dict, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, {})] = None
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)
 
     @property
@@ -114,13 +123,15 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
         # Checked before the union so that errors read as one clear message, not two.
         if isinstance(value, list):
+            if len(value) > MAX_CONTENT_PARTS:
+                raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(value)}")
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in value):
                 raise ValueError('content parts must be {"type": "text", "text": "..."}; '
@@ -144,23 +155,39 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Knobs):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough(cls, value: Any) -> Any:
+        # Before the items: an oversized list fails at once, not after each item was validated.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(value)}")
+        return value
     logprobs: Annotated[bool | None, _only(None, False)] = None
     top_logprobs: Annotated[int | None, _only(None, 0)] = None
-    tools: Annotated[list | None, _only(None, [])] = None
+    tools: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
     tool_choice: Annotated[Any, _only(None, "none")] = None
-    functions: Annotated[list | None, _only(None, [])] = None
+    functions: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
     function_call: Annotated[Any, _only(None, "none")] = None
-    response_format: Annotated[dict | None, _only(None, {"type": "text"})] = None
+    response_format: Annotated[Annotated[dict, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None,
+                               _only(None, {"type": "text"})] = None
 
 
 class CompletionRequest(_Knobs):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
     echo: Annotated[bool | None, _only(None, False)] = None
     logprobs: Annotated[int | None, _only(None)] = None
     best_of: Annotated[int | None, _only(None, 1)] = None
     suffix: Annotated[str | None, _only(None)] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -6,6 +6,7 @@ the same limits in memory without Redis, and the per-key usage series."""
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ from services.coordinator.api import FinishEvent, TokenEvent
 from services.gateway import create_app
 from services.gateway.keys import FileKeyStore, KeyRing, Limits, RedisKeyStore
 from services.gateway.limits import MemoryLimiter, RedisLimiter, duration
-from services.gateway.metrics import MAX_KEY_LABELS, GatewayMetrics
+from services.gateway.metrics import MAX_KEY_LABELS, GatewayMetrics, key_label
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]
@@ -74,9 +75,10 @@ def test_requests_per_minute_are_shared_by_the_gateways(gateways, specd_cli, sto
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
         assert r.headers["x-ratelimit-limit-requests"] == "4"
     text = httpx.get(gateways[0] + "/metrics").text
-    assert 'specd_gateway_key_requests_total{key="rpm-4",outcome="admitted"} 2.0' in text
-    assert 'specd_gateway_key_requests_total{key="rpm-4",outcome="rate_limited"} 1.0' in text
-    assert 'specd_gateway_key_tokens_total{key="rpm-4"} 4.0' in text  # two answers of max_tokens 2
+    label = key_label("rpm-4")  # the same on both gateways
+    assert f'specd_gateway_key_requests_total{{key="{label}",outcome="admitted"}} 2.0' in text
+    assert f'specd_gateway_key_requests_total{{key="{label}",outcome="rate_limited"}} 1.0' in text
+    assert f'specd_gateway_key_tokens_total{{key="{label}"}} 4.0' in text  # two answers of max_tokens 2
     assert 'specd_gateway_requests_total{route="/v1/chat/completions",status="429"}' in text
 
 
@@ -89,13 +91,16 @@ def test_tokens_per_minute(gateways, specd_cli, store):
     assert r.headers["x-ratelimit-limit-tokens"] == "100"
     assert r.headers["x-ratelimit-remaining-tokens"] == "40"
     assert "x-ratelimit-limit-requests" not in r.headers
+    prompt = r.json()["usage"]["prompt_tokens"]  # settled when the answer ended: prompt + completion
+    assert 0 < prompt < 40
     r = _chat(gateways[1], key, max_tokens=60)
     assert r.status_code == 429
     assert r.json()["error"]["type"] == "tokens" and r.json()["error"]["code"] == "rate_limit_exceeded"
-    assert 1 <= int(r.headers["retry-after"]) <= 12  # 20 tokens at 100/min
+    assert 1 <= int(r.headers["retry-after"]) <= math.ceil((20 + prompt) * 0.6) + 1  # 20 + prompt tokens at 100/min
     # the bucket refills continuously: a token each 0.6 s since the first charge (a slow machine)
-    assert 40 <= int(r.headers["x-ratelimit-remaining-tokens"]) <= 40 + (time.monotonic() - t0) * 100 / 60
-    assert _chat(gateways[1], key, max_tokens=30).status_code == 200  # fits in what is left
+    left = 40 - prompt
+    assert left <= int(r.headers["x-ratelimit-remaining-tokens"]) <= left + (time.monotonic() - t0) * 100 / 60
+    assert _chat(gateways[1], key, max_tokens=left).status_code == 200  # fits in what is left
     # A stream is charged too: its max_tokens (the default 256 when unset) is capped at the
     # bucket's capacity, so it waits for a full bucket.
     r = httpx.post(gateways[0] + CHAT, json={"messages": HI, "stream": True}, headers=_bearer(key))
@@ -209,7 +214,8 @@ def test_limits_fail_open_when_redis_is_down(serve, local_backend, specd_cli, tm
     assert time.monotonic() - t0 < 10  # no request hangs on the unreachable Redis
     text = httpx.get(url + "/metrics").text
     assert 'specd_gateway_key_store_errors_total{op="limits"}' in text
-    assert 'specd_gateway_key_requests_total{key="no-redis",outcome="admitted"} 3.0' in text
+    label = key_label("no-redis")
+    assert f'specd_gateway_key_requests_total{{key="{label}",outcome="admitted"}} 3.0' in text
 
 
 def test_limits_fail_open_when_redis_refuses_writes(serve, local_backend, specd_cli, tmp_path, redis_url):
@@ -248,8 +254,25 @@ def test_without_redis_the_limits_hold_in_memory(serve, local_backend, specd_cli
 def test_key_labels_are_bounded():
     metrics = GatewayMetrics()
     labels = [metrics.key_label(f"k{i}") for i in range(MAX_KEY_LABELS + 5)]
-    assert labels[:MAX_KEY_LABELS] == [f"k{i}" for i in range(MAX_KEY_LABELS)]
-    assert set(labels[MAX_KEY_LABELS:]) == {"other"} and metrics.key_label("k0") == "k0"
+    assert labels[:MAX_KEY_LABELS] == [key_label(f"k{i}") for i in range(MAX_KEY_LABELS)]
+    assert len(set(labels[:MAX_KEY_LABELS])) == MAX_KEY_LABELS
+    assert set(labels[MAX_KEY_LABELS:]) == {"other"} and metrics.key_label("k0") == key_label("k0")
+
+
+def test_metrics_show_no_key_name(serve, local_backend, specd_cli, tmp_path):
+    """/metrics is open on the API port: per-key usage is there under opaque labels only."""
+    keys_file = tmp_path / "keys.json"
+    names = ["acme-corp-prod", "globex-billing"]
+    keys = [_create(specd_cli, name, ["--keys-file", str(keys_file)], "--rpm", "1") for name in names]
+    url = serve(create_app(local_backend, keys=KeyRing(FileKeyStore(keys_file)), limiter=MemoryLimiter()))
+    for key in keys:
+        assert _chat(url, key).status_code == 200
+        assert _chat(url, key).status_code == 429
+    text = httpx.get(url + "/metrics").text
+    for name in names:
+        assert name not in text
+        assert f'specd_gateway_key_requests_total{{key="{key_label(name)}",outcome="rate_limited"}} 1.0' in text
+        assert f'specd_gateway_key_tokens_total{{key="{key_label(name)}"}} 2.0' in text
 
 
 def test_reset_durations_are_written_as_openai_does():
