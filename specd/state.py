@@ -9,6 +9,7 @@ configured; the Redis backend lives with the services and implements the same pr
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,17 +33,38 @@ class StateStore(Protocol):
         """Replace the saved state (last writer wins)."""
 
 
-class MemoryStateStore:
-    """Process-local StateStore; thread-safe."""
+MAX_KEYS = 10_000  # states one process keeps: task tags come from clients, so they are bounded
 
-    def __init__(self) -> None:
-        self._data: dict[StateKey, dict[str, float]] = {}
+
+class MemoryStateStore:
+    """Process-local StateStore; thread-safe. An LRU of at most max_keys states, so that clients
+    sending ever new task tags cannot grow the process: the least recently used state is
+    dropped (its next request starts from the policy's defaults)."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be at least 1")
+        self.max_keys = max_keys
+        self._data: OrderedDict[StateKey, dict[str, float]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._data)
 
     def load(self, key: StateKey) -> dict[str, float]:
         with self._lock:
-            return dict(self._data.get(key, {}))
+            state = self._data.get(key)
+            if state is None:
+                return {}
+            self._data.move_to_end(key)
+            return dict(state)
 
     def save(self, key: StateKey, state: dict[str, float]) -> None:
         with self._lock:
+            if not state:
+                self._data.pop(key, None)
+                return
             self._data[key] = dict(state)
+            self._data.move_to_end(key)
+            while len(self._data) > self.max_keys:
+                self._data.popitem(last=False)

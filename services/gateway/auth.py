@@ -21,6 +21,7 @@ Failure policy (the key store or the limiter unreachable):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,7 +31,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from services.common.state import redact_url
-from services.coordinator.api import Event, FinishEvent
+from services.coordinator.api import Event, FinishEvent, TokenEvent
 from services.gateway import limits as rate
 from services.gateway.errors import RateLimited, Unauthorized
 from services.gateway.keys import KeyRecord, KeyRing
@@ -59,12 +60,16 @@ class Lease:
         self._release, self._auth, self._record = release, auth, record
         self._lease_id, self._charged = lease_id, charged
         self.used: int | None = None  # completion tokens, once the finish event was seen
+        self.prompt = 0  # prompt tokens, from the finish event
+        self.streamed = 0  # tokens of the token events seen: what a cut stream cost
         self._closed = False
 
     def observe(self, event: Event) -> Event:
-        """Pass an event through, noting the tokens a finish event reports."""
+        """Pass an event through, noting the tokens it carries (a cut stream is settled by them)."""
         if isinstance(event, FinishEvent):
-            self.used = event.completion_tokens
+            self.used, self.prompt = event.completion_tokens, event.prompt_tokens
+        elif isinstance(event, TokenEvent):
+            self.streamed += len(event.token_ids)
         return event
 
     def close(self) -> None:
@@ -73,7 +78,7 @@ class Lease:
         self._closed = True
         self._release()
         if self._auth is not None and self._record is not None:
-            self._auth.finished(self._record, self._lease_id, self._charged, self.used)
+            self._auth.finished(self._record, self._lease_id, self._charged, self.used, self.prompt, self.streamed)
 
 
 class Auth:
@@ -145,13 +150,42 @@ class Auth:
         request.state.ratelimit_headers = headers
         return Lease(release, self, record, lease_id, decision.charged)
 
-    def finished(self, record: KeyRecord, lease_id: str, charged: int, used: int | None) -> None:
-        """A generation of `record` ended: count its tokens, give back what it did not use."""
+    async def task_tag(self, record: KeyRecord | None, tag: str) -> str:
+        """The task tag to forward for a request of `record` asking for `tag`: scoped to the key
+        (limits.scoped_tag), and past the key's max_task_tags (or when the limiter cannot tell)
+        the key's own `default`, so a client sending ever new tags cannot grow the shared state.
+        Open auth (no key): one tenant, the tag as sent."""
+        if record is None:
+            return tag
+        if tag != "default":
+            try:
+                allowed = await self.limiter.task_tag(record.name, tag)
+            except Unavailable as e:
+                self.metrics.key_store_errors.labels("limits").inc()
+                self._warn("task tags cannot be counted; using each key's default tag: %s", e)
+                allowed = False
+            if not allowed:
+                self._warn("API key %r is past its distinct task tags; %r uses the key's default tag",
+                           record.name, tag)
+                tag = "default"
+        return rate.scoped_tag(record.name, tag)
+
+    async def scope_task_tag(self, request: Request, gen):
+        """`gen` (a GenerateRequest) with the task tag task_tag() gives for the request's key:
+        what the gateway forwards to the coordinator, which never sees the key."""
+        tag = await self.task_tag(getattr(request.state, "api_key", None), gen.spec.task_tag)
+        if tag == gen.spec.task_tag:
+            return gen
+        return dataclasses.replace(gen, spec=dataclasses.replace(gen.spec, task_tag=tag))
+
+    def finished(self, record: KeyRecord, lease_id: str, charged: int, used: int | None, prompt: int = 0,
+                 streamed: int = 0) -> None:
+        """A generation of `record` ended: count its tokens, settle its charge (limits.settle)."""
         if used is not None:
             self.metrics.key_tokens.labels(self.metrics.key_label(record.name)).inc(used)
         if not lease_id:
             return
-        refund = charged - used if used is not None else 0
+        refund = rate.settle(charged, used, prompt, streamed)
         task = asyncio.get_running_loop().create_task(self._release(record, lease_id, refund))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -233,4 +267,4 @@ async def from_settings(s) -> tuple[KeyRing | None, Limiter | None]:
                          "--auth open to serve without keys")
     source = f"keys file {s.keys_file}" if s.keys_file else "Redis" if s.redis_url else "api_keys"
     log.info("auth required: %d API key(s) (%s)", count, source)
-    return keys, build_limiter(s.redis_url)
+    return keys, build_limiter(s.redis_url, max_task_tags=s.max_task_tags_per_key)

@@ -21,9 +21,13 @@ Two stores with one interface (KeyStore):
 KeyRing is what the gateway asks: the legacy static keys (the `api_keys` setting, hashed at
 start, named key-1, key-2, ..., unlimited) first, then the store through a cache of known keys.
 A cached key is trusted for LOOKUP_TTL_S, so a revocation reaches every replica within that
-time; when the store is unreachable a key looked up successfully within OUTAGE_GRACE_S is
-still accepted (a brief Redis outage does not refuse known keys) and any other key is refused
-with Unavailable (503: the key may be valid, the gateway cannot tell).
+time; an unknown digest is remembered as unknown for NEGATIVE_TTL_S, so a client repeating a
+wrong key costs the store one lookup per NEGATIVE_TTL_S, not one per request (both caches are
+LRUs of bounded size). When the store is unreachable a key looked up successfully within
+OUTAGE_GRACE_S is still accepted (a brief Redis outage does not refuse known keys) and any
+other key is refused with Unavailable (503: the key may be valid, the gateway cannot tell).
+A circuit breaker (services.common.breaker) skips the store for BREAKER_COOLDOWN_S after a
+failure, so a hung Redis costs one lookup timeout per cool-down, not one per request.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ import os
 import secrets
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.common.breaker import Breaker
 from services.common.state import REDIS_ERRORS, redact_url, redis_client
 from specd.errors import SpecdError, Unavailable
 
@@ -52,7 +58,14 @@ KEY_PREFIX = "sk-specd-"
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 LOOKUP_TTL_S = 0.5  # a cached key is trusted this long: the bound on a revocation's delay
 OUTAGE_GRACE_S = 60.0  # store unreachable: keys known this recently are still accepted
-MAX_CACHED = 10_000  # known keys kept in one gateway's cache (unknown keys are never cached)
+MAX_CACHED = 10_000  # known keys kept in one gateway's cache (least recently used dropped)
+NEGATIVE_TTL_S = 2.0  # an unknown digest is answered from the cache this long
+MAX_UNKNOWN = 10_000  # unknown digests kept (least recently used dropped)
+BREAKER_COOLDOWN_S = 2.0  # after a failed lookup, the store is skipped this long (then one probe)
+
+
+class CorruptRecord(Unavailable):
+    """One key's record cannot be read: that key is refused (503), the store itself is fine."""
 
 
 class Limits(BaseModel):
@@ -61,8 +74,9 @@ class Limits(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     requests_per_minute: int = Field(0, ge=0, description="generation requests per minute")
-    tokens_per_minute: int = Field(0, ge=0, description="completion tokens per minute (max_tokens is "
-                                                        "charged at admission, the unused part refunded)")
+    tokens_per_minute: int = Field(0, ge=0, description="prompt and completion tokens per minute "
+                                                        "(max_tokens is charged at admission, then settled "
+                                                        "to the tokens used)")
     concurrent_requests: int = Field(0, ge=0, description="generations in flight at once")
 
     @property
@@ -165,7 +179,7 @@ class RedisKeyStore:
             return KeyRecord.model_validate_json(raw)
         except ValidationError as e:  # the store's data, not the client's: a 503, logged, never a 500
             log.error("API keys: the record under %s in %s is corrupt: %s", key_digest[:12], self.keys_key, e)
-            raise Unavailable("API keys: a key record cannot be read") from None
+            raise CorruptRecord("API keys: a key record cannot be read") from None
 
     async def create(self, name: str, limits: Limits) -> str:
         _check_name(name)
@@ -300,12 +314,15 @@ def build_key_store(redis_url: str | None, keys_file: Path | None,
 # -- what the gateway asks --------------------------------------------------------------------
 
 class KeyRing:
-    """The gateway's identities: static keys, then the store through a short cache."""
+    """The gateway's identities: static keys, then the store through short caches and a breaker."""
 
-    def __init__(self, store: KeyStore | None = None, static_keys: Iterable[str] = ()) -> None:
+    def __init__(self, store: KeyStore | None = None, static_keys: Iterable[str] = (), *,
+                 cooldown_s: float = BREAKER_COOLDOWN_S) -> None:
         self.store = store
         self.static = static_records(static_keys)
-        self._known: dict[str, tuple[KeyRecord, float]] = {}  # digest -> (record, when fetched)
+        self._known: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()  # digest -> (record, fetched)
+        self._unknown: OrderedDict[str, float] = OrderedDict()  # digest -> when the store said unknown
+        self.breaker = Breaker(cooldown_s)
         self.on_store_error: Callable[[], None] = lambda: None  # counts each failed lookup (metrics)
         self._warned_at = float("-inf")
 
@@ -315,7 +332,7 @@ class KeyRing:
 
     async def identify(self, key: str) -> KeyRecord | None:
         """The record of a presented key, None for an unknown one; Unavailable when the store is
-        unreachable and the key was not known within OUTAGE_GRACE_S."""
+        unreachable (or skipped by the breaker) and the key was not known within OUTAGE_GRACE_S."""
         d = digest(key)
         if d in self.static:
             return self.static[d]
@@ -324,25 +341,45 @@ class KeyRing:
         now = time.monotonic()
         cached = self._known.get(d)
         if cached is not None and now - cached[1] < LOOKUP_TTL_S:
+            self._known.move_to_end(d)
             return cached[0]
+        unknown_at = self._unknown.get(d)
+        if unknown_at is not None and now - unknown_at < NEGATIVE_TTL_S:
+            return None
+        if not self.breaker.allow():
+            return self._outage(d, cached, now, Unavailable("API keys: the key store is skipped after a failure"))
         try:
             record = await self.store.lookup(d)
-        except Unavailable:
-            self.on_store_error()
-            if cached is not None and now - cached[1] < OUTAGE_GRACE_S:
-                if now - self._warned_at >= 10:
-                    self._warned_at = now
-                    log.warning("API key store unreachable: accepting keys known within %.0f s",
-                                OUTAGE_GRACE_S)
-                return cached[0]
+        except CorruptRecord:
+            self.breaker.success()  # the store answered: only this record is bad
             raise
+        except Unavailable as e:
+            self.breaker.failure()
+            self.on_store_error()
+            return self._outage(d, cached, now, e)
+        self.breaker.success()
         if record is None:
             self._known.pop(d, None)
+            self._unknown[d] = now
+            self._unknown.move_to_end(d)
+            if len(self._unknown) > MAX_UNKNOWN:
+                self._unknown.popitem(last=False)
             return None
-        if len(self._known) >= MAX_CACHED:
-            self._known.clear()
+        self._unknown.pop(d, None)
         self._known[d] = (record, now)
+        self._known.move_to_end(d)
+        if len(self._known) > MAX_CACHED:
+            self._known.popitem(last=False)
         return record
+
+    def _outage(self, d: str, cached: tuple[KeyRecord, float] | None, now: float, error: Unavailable) -> KeyRecord:
+        """The store cannot answer: the cached record if it is recent enough, else `error`."""
+        if cached is not None and now - cached[1] < OUTAGE_GRACE_S:
+            if now - self._warned_at >= 10:
+                self._warned_at = now
+                log.warning("API key store unreachable: accepting keys known within %.0f s", OUTAGE_GRACE_S)
+            return cached[0]
+        raise error
 
     async def close(self) -> None:
         if self.store is not None:

@@ -2,11 +2,14 @@
 
 Requests and tokens are token buckets that refill continuously: capacity = the per-minute
 limit, refilled at limit/60 per second, so a key may burst its whole minute at once and then
-goes at the limit's pace. A generation takes one request and is charged its max_tokens at
-admission (at most the bucket's capacity, so that a request larger than a minute's tokens
-waits for a full bucket rather than forever); when it ends the unused part is refunded (or,
-had it been capped, the excess is debited and the bucket goes below zero). Concurrent
-requests are leases that the response's end releases, however it ends.
+goes at the limit's pace. Tokens per minute count prompt and completion tokens. A generation
+takes one request and is charged its max_tokens at admission (at most the bucket's capacity,
+so that a request larger than a minute's tokens waits for a full bucket rather than forever;
+the prompt's length is not known before the coordinator tokenizes it); when it ends, settle()
+turns what it really cost (prompt + completion tokens, or for a stream cut before its finish,
+the tokens it streamed) into a refund of the unused part or a debit of the excess, which may
+take the bucket below zero. Concurrent requests are leases that the response's end releases,
+however it ends.
 
 RedisLimiter shares the limits between every gateway replica on one Redis: each decision is
 ONE Lua script (atomic, timed by the Redis server's clock, so replicas' clocks do not matter):
@@ -20,6 +23,15 @@ leases every LEASE_TTL_S / 3, so a crashed gateway's leases free its keys' slots
 LEASE_TTL_S. (The braces make both keys one Redis Cluster slot.) An unreachable Redis raises
 Unavailable; the caller decides (services.gateway.auth: fail open).
 
+Task tags (speculative.task_tag) key the shared policy state, and come from clients: each key
+may use at most max_task_tags distinct tags (besides `default`) within TAGS_TTL_S (the policy
+state's own TTL), counted in
+
+    {namespace}:v1:ratelimit:{NAME}:tags    zset  tag -> last use (ms); expires TAGS_TTL_S after it
+
+and scoped_tag() puts the key's name in front of every tag the gateway forwards, so that one
+key's tags (its `default` too) never share state with another key's.
+
 MemoryLimiter has the same semantics in one process (a single replica without Redis).
 """
 
@@ -27,13 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.state import REDIS_ERRORS, redact_url, redis_client
+from services.common.state import REDIS_ERRORS, STATE_TTL_S, redact_url, redis_client
 from services.gateway.keys import Limits
 from specd.errors import Unavailable
 
@@ -41,6 +54,9 @@ log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 30.0
 WINDOW_MS = 60_000  # the limits are per minute
+MAX_TASK_TAGS = 50  # distinct task tags of one key (the setting max_task_tags_per_key)
+TAGS_TTL_S = STATE_TTL_S  # a tag unused this long no longer counts (its state has expired too)
+MAX_TAG_CHARS = 64  # specd.types.TASK_TAG
 
 
 @dataclass(frozen=True)
@@ -65,8 +81,33 @@ class Limiter(Protocol):
     async def release(self, name: str, limits: Limits, lease: str, refund: int) -> None:
         """The generation ended: free its lease and give `refund` tokens back (negative: debit)."""
 
+    async def task_tag(self, name: str, tag: str) -> bool:
+        """Whether key `name` may use task tag `tag` (one of its max_task_tags); Unavailable if
+        it cannot tell."""
+
     async def close(self) -> None:
         """Release connections and background tasks."""
+
+
+def scoped_tag(name: str, tag: str) -> str:
+    """The task tag forwarded for key `name`'s `tag`: `ID@tag` (ID: 12 hex digits of the name's
+    digest, so the coordinator's metrics and Redis show no key name), or, when that is longer
+    than a tag may be, `k:` and a digest of both. ID holds no `@` or `:`, so no key can choose a
+    tag that lands in another key's state."""
+    scoped = f"{hashlib.sha256(name.encode()).hexdigest()[:12]}@{tag}"
+    if len(scoped) <= MAX_TAG_CHARS:
+        return scoped
+    return "k:" + hashlib.sha256(f"{name}@{tag}".encode()).hexdigest()[:40]
+
+
+def settle(charged: int, completion: int | None, prompt: int = 0, streamed: int = 0) -> int:
+    """The tokens to give back when a generation charged `charged` at admission ends
+    (negative: to debit). completion and prompt come from its finish event; completion None
+    means it ended without one (a cut stream): it cost the `streamed` tokens sent so far, or,
+    when none was seen (a disconnected non-streamed request), exactly its admission charge."""
+    if completion is not None:
+        return charged - (completion + prompt)
+    return charged - streamed if streamed else 0
 
 
 def retry_after_s(decision: Decision) -> int:
@@ -163,19 +204,48 @@ return {1, '', 0, math.floor(req), math.floor(tok), until_full(req, rpm), until_
 """
 
 
+_TAGS = """
+-- KEYS[1]: tags zset; ARGV: tag, max tags, ttl_ms
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl)
+return 1
+"""
+
+
 class RedisLimiter:
     def __init__(self, url: str, namespace: str = "specd", *, timeout_s: float = 0.5,
-                 lease_ttl_s: float = LEASE_TTL_S) -> None:
-        self.namespace, self.lease_ttl_s = namespace, lease_ttl_s
+                 lease_ttl_s: float = LEASE_TTL_S, max_task_tags: int = MAX_TASK_TAGS) -> None:
+        self.namespace, self.lease_ttl_s, self.max_task_tags = namespace, lease_ttl_s, max_task_tags
         self._safe_url = redact_url(url)
         self._redis = redis_client(url, timeout_s)
         self._script = self._redis.register_script(_SCRIPT)
+        self._tags = self._redis.register_script(_TAGS)
         self._live: dict[str, tuple[str, Limits]] = {}  # lease -> (key name, limits): renewed
         self._renewer: asyncio.Task | None = None
 
     def keys(self, name: str) -> list[str]:
         base = f"{self.namespace}:v1:ratelimit:{{{name}}}"
         return [f"{base}:bucket", f"{base}:leases"]
+
+    def tags_key(self, name: str) -> str:
+        return f"{self.namespace}:v1:ratelimit:{{{name}}}:tags"
+
+    async def task_tag(self, name: str, tag: str) -> bool:
+        if self.max_task_tags <= 0:
+            return False
+        try:
+            return bool(await self._tags(keys=[self.tags_key(name)],
+                                         args=[tag, self.max_task_tags, int(TAGS_TTL_S * 1000)]))
+        except REDIS_ERRORS as e:
+            raise Unavailable(f"task tags: Redis at {self._safe_url} is unreachable: "
+                              f"{type(e).__name__}: {e}") from e
 
     async def _run(self, op: str, name: str, limits: Limits, tokens: int, lease: str):
         try:
@@ -243,8 +313,23 @@ def _until_full(value: float, cap: int) -> int:
 class MemoryLimiter:
     """The same limits in this process only (no Redis: one gateway replica)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_task_tags: int = MAX_TASK_TAGS) -> None:
+        self.max_task_tags = max_task_tags
         self._keys: dict[str, _Buckets] = {}
+        self._tags: dict[str, dict[str, float]] = {}  # key name -> tag -> last use (monotonic s)
+
+    async def task_tag(self, name: str, tag: str) -> bool:
+        if self.max_task_tags <= 0:
+            return False
+        now = time.monotonic()
+        tags = self._tags.setdefault(name, {})
+        if tag not in tags and len(tags) >= self.max_task_tags:
+            for old in [t for t, at in tags.items() if now - at >= TAGS_TTL_S]:
+                del tags[old]
+            if len(tags) >= self.max_task_tags:
+                return False
+        tags[tag] = now
+        return True
 
     async def acquire(self, name: str, limits: Limits, tokens: int, lease: str) -> Decision:
         b = self._keys.setdefault(name, _Buckets())
@@ -287,6 +372,9 @@ class MemoryLimiter:
         pass
 
 
-def build_limiter(redis_url: str | None, namespace: str = "specd") -> Limiter:
+def build_limiter(redis_url: str | None, namespace: str = "specd", *,
+                  max_task_tags: int = MAX_TASK_TAGS) -> Limiter:
     """Redis (shared by the replicas) when a URL is given, else this process's memory."""
-    return RedisLimiter(redis_url, namespace) if redis_url else MemoryLimiter()
+    if redis_url:
+        return RedisLimiter(redis_url, namespace, max_task_tags=max_task_tags)
+    return MemoryLimiter(max_task_tags)

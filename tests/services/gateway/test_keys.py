@@ -164,7 +164,8 @@ def test_known_keys_survive_a_store_outage_and_unknown_ones_get_503(tmp_path):
         assert (await ring.identify(key)).name == "known"
         assert (await ring.identify("legacy-1")).name == "key-1"
         with pytest.raises(Unavailable):
-            await ring.identify("nope")
+            await ring.identify("never-seen")
+        assert await ring.identify("nope") is None  # said unknown just now (keys.NEGATIVE_TTL_S)
 
     asyncio.run(scenario())
 
