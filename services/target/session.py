@@ -20,15 +20,6 @@ MAX_TOP_LOGPROBS = 64
 PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
 
 
-def emitted_vocab(target: LoadedModel) -> int:
-    """The ids the target may emit: those its tokenizer knows. Embedding tables are padded past
-    the tokenizer (Qwen2.5-7B: 152,064 logits for 151,665 tokens; its 0.5B draft embeds
-    151,936), and a padding row's id is out of range for a smaller draft (a CUDA assert there)
-    and decodes to nothing."""
-    n = len(target.tokenizer) if target.tokenizer is not None else target.vocab_size
-    return min(n, target.vocab_size)
-
-
 class TargetSession:
     def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False):
         sampling.validate(max_new_tokens_limit=target.max_context)
@@ -40,7 +31,7 @@ class TargetSession:
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
         self.generator = request_generator(sampling, target.device)
         self.last_reply_at: float | None = None  # when its last verification was answered
-        self.vocab = emitted_vocab(target)  # logits beyond it are never read: no id there is emitted
+        self.vocab = target.emitted_vocab  # logits beyond it are never read: no id there is emitted
 
     def prefill(self, chunk: int = 0) -> bool:
         """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft

@@ -48,6 +48,14 @@ class LoadedModel:
         return choose_forward(self.model, self.forward, self.device)
 
     @functools.cached_property
+    def emitted_vocab(self) -> int:
+        """The ids the target may emit: those its tokenizer knows. Embedding tables are padded past
+        the tokenizer (Qwen2.5-7B: 152,064 logits for 151,665 tokens), and a padding row's id
+        decodes to nothing and may be out of range for a smaller draft's table."""
+        n = len(self.tokenizer) if self.tokenizer is not None else self.vocab_size
+        return min(n, self.vocab_size)
+
+    @functools.cached_property
     def vocab_size(self) -> int:  # asked for every verified window: transformers' lookup cost microseconds
         return self.model.get_output_embeddings().weight.shape[0]
 

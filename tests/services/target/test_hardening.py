@@ -225,3 +225,16 @@ def test_ids_past_the_tokenizer_are_never_emitted(padded):
     # a draft id past the tokenizer is refused, naming the field
     e = one_verify(svc.address, target_pb2.Verify(verify_id=1, tokens=[n + 1], probs=[1.0]), SamplingParams())
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("tokens: ")
+
+
+def test_the_engine_in_process_emits_what_the_target_service_emits(padded):
+    """The same rule in process (SpeculativeEngine): greedy and seeded ids equal the service's plain
+    runs, padding rows never read (before, the engine's greedy ids were padding ids there)."""
+    from specd.engine import SpeculativeEngine
+    from specd.types import SpecParams
+
+    svc, target, n = padded
+    for sampling in (SamplingParams(max_new_tokens=16), SamplingParams(temperature=1.0, seed=7, max_new_tokens=16)):
+        want = _plain_run(svc.address, sampling, 16)
+        got = SpeculativeEngine(target).generate(PROMPT, sampling, SpecParams("none")).token_ids
+        assert got == want[:len(got)] and all(t < n for t in got), sampling
