@@ -90,10 +90,8 @@ def test_coordinator_waits_for_its_target_and_health_follows_it(service_loop, ch
         # the target goes away: NOT_SERVING, 503, within about a second; in-process ready() too
         service_loop.run(target_server.stop(0))
         assert wait_for(lambda: health_status(coord_address) == NOT_SERVING, 3, "NOT_SERVING") < 2
-        start = time.monotonic()
-        status, body = _get(url)
-        assert (status, body) == (503, {"status": "unavailable"})  # no address, no gRPC text
-        assert time.monotonic() - start < 1.2
+        # the gateway's health answer is cached for a moment (a probe flood reuses one check)
+        assert wait_for(lambda: _get(url) == (503, {"status": "unavailable"}), 3, "gateway /health 503") < 2
         assert service_loop.run(coordinator.ready()) is False
         assert health_status(coord_address, "liveness") == SERVING
 
