@@ -16,7 +16,7 @@ t_draft (`--t-draft-ms`), and the work around a forward what that gpu_check.json
 paid beyond it. With the `oracle` policy (drafting exactly what the target keeps) it is the bound
 any stopping policy has with that drafter on that device's curve.
 
-    python scripts/draft_cost.py --dataset ../shared/datasets/mt_bench_question.jsonl --prompts 24 \
+    python scripts/draft_cost.py --dataset mt_bench_question.jsonl --prompts 24 \
         --curve docs/bench/gpu-h200/gpu_check.json --out draft_cost.json
 """
 

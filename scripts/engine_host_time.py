@@ -2,7 +2,7 @@
 (the timer wraps the KV session's extend), on the embedded model, per configuration. On a GPU
 this host work sits between forwards; on the CPU it is what a faster forward would leave.
 
-    python scripts/engine_host_time.py --dataset ../shared/datasets/mt_bench_question.jsonl
+    python scripts/engine_host_time.py --dataset mt_bench_question.jsonl
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and after. The coordinator and the gateway are one Python process each, so their
 milliseconds per token bound the tokens per second one of them can stream, whatever the GPU
 (docs/design.md, "Thin GPU coverage").
 
-    python scripts/services_cpu.py --dataset ../shared/datasets/mt_bench_question.jsonl
+    python scripts/services_cpu.py --dataset mt_bench_question.jsonl
 """
 
 from __future__ import annotations

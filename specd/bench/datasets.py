@@ -1,5 +1,5 @@
 """Benchmark prompts: JSONL files with a `turns` list of user messages per line (MT-bench,
-Zheng et al. 2023; the Alpaca set in ../shared/datasets uses the same shape).
+Zheng et al. 2023; the Alpaca question set of docs/benchmarks.md has the same shape).
 
 Without a path the bench commands run on the built-in set, specd/data/prompts.jsonl: 40 prompts
 written for specd, 5 in each of 8 categories (writing, knowledge, summarization, translation,

@@ -423,7 +423,9 @@ class KVPool:
             mask = (torch.arange(span, device=self.device) <= x.query_pos[:, :, None])[:, None]  # [B, 1, T, S]
         masks = {None: mask}
         for w in windows:  # a sliding layer's: the keys within its window of the query's position
-            masks[w] = lean.window_mask(mask, w, torch.arange(span, device=self.device), x.rope_pos[:, None])
+            near = torch.compiler.is_compiling() or span > w  # else every key is within the window
+            masks[w] = lean.window_mask(mask, w, torch.arange(span, device=self.device), x.rope_pos[:, None]) \
+                if near else mask
         tables = self.tables if tables is None else [(tables[j], tables[j + 1]) for j in range(0, len(tables), 2)]
         rope = [(c[x.rope_pos][:, None], s[x.rope_pos][:, None]) for c, s in tables]  # [B, 1, T, D] per kind
         rows = x.slots[:, None]

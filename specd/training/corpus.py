@@ -5,7 +5,8 @@ Prompts come from three places, none of them the benchmark sets unless the calle
 them (the published drafters are trained without MT-bench and Alpaca, which stay held out):
   * templates: task phrasings (explain, write, compare, solve, code...) crossed with topics;
   * self-instruct: the target itself is asked for a question on a topic, sampled at T=1;
-  * prompt files given by the caller (JSONL with a `turns` list, like ../shared/datasets).
+  * prompt files given by the caller (JSONL with a `turns` list, as MT-bench's question file;
+    docs/benchmarks.md names the sets).
 
 The target then answers each prompt in batches (left-padded `generate`), cycling through a
 list of temperatures (greedy and T=1 by default: a drafter serves both). Answers are kept
