@@ -88,6 +88,26 @@ def specd_cli(capsys):
     return run
 
 
+def answers_ping(proc, client, timeout_s: float = 10) -> bool:
+    """Whether a redis-server just started as `proc` answers `client`'s PING before it exits or
+    timeout_s passes; closes the client."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if client.ping():
+                    return True
+            except redis.exceptions.RedisError:
+                time.sleep(0.05)
+        return False
+    finally:
+        client.close()
+
+
 class RedisServer:
     """A private redis-server on a free loopback port; its data lives under `dir`."""
 
@@ -101,7 +121,6 @@ class RedisServer:
     def start(self, port: int | None = None) -> None:
         import socket
         import subprocess
-        import time
 
         import redis
         from redis.backoff import NoBackoff
@@ -121,16 +140,8 @@ class RedisServer:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1,
                                  retry=Retry(NoBackoff(), 0))
-            deadline = time.monotonic() + 10
-            try:
-                while time.monotonic() < deadline and self.proc.poll() is None:
-                    try:
-                        if client.ping():
-                            return
-                    except redis.exceptions.RedisError:
-                        time.sleep(0.05)
-            finally:
-                client.close()
+            if answers_ping(self.proc, client):
+                return
             self.stop()
         pytest.fail(f"redis-server did not answer PING on 127.0.0.1:{self.port}", pytrace=False)
 

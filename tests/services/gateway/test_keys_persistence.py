@@ -17,6 +17,7 @@ import yaml
 from services.common.state import RedisStateStore
 from services.gateway.keys import KeyRing, Limits, RedisKeyStore
 from specd.state import StateKey
+from tests.conftest import answers_ping
 
 ROOT = Path(__file__).resolve().parents[3]
 PASSWORD = "test-password"
@@ -65,16 +66,8 @@ class Server:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, password=PASSWORD, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + 10
-        try:
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if client.ping():
-                        return
-                except redis.exceptions.RedisError:
-                    time.sleep(0.05)
-        finally:
-            client.close()
+        if answers_ping(self.proc, client):
+            return
         pytest.fail(f"redis-server {self.argv} did not start", pytrace=False)
 
     def stop(self) -> None:
