@@ -112,7 +112,7 @@ class GenerationRun:
                  spec: SpecParams, reference: Sequence[int] | None):
         target = engine.target
         sampling.validate(max_new_tokens_limit=target.max_context)
-        validate_prompt(prompt, target.vocab_size, target.max_context)
+        validate_prompt(prompt, target.emitted_vocab, target.max_context)
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
         self.policy, self.drafter = self._build_policy(reference)
         self.costs = self.policy.resources.costs if self.policy is not None else None  # refreshed by this run
@@ -231,10 +231,9 @@ class GenerationRun:
         start = self.target_kv.length
         logits = self.target_kv.extend_tree(seq[start:], tree, self.target_dtype)
         chain_q = qs if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
-        vocab = self.target.emitted_vocab
-        if logits.shape[-1] > vocab and max(tree.tokens, default=0) < vocab:  # as the target service
-            logits = logits[..., :vocab]
-            chain_q = [q[..., :vocab] for q in chain_q] if chain_q is not None else None
+        vocab = self.target.emitted_vocab  # as the target service: no id past it is drafted or read
+        logits = logits[..., :vocab]
+        chain_q = [q[..., :vocab] for q in chain_q] if chain_q is not None else None
         verdict = verify_tree(logits, tree, self.sampling, self.generator, committed, chain_q)
         path = verdict.path
         n, n_main = len(path), tree.main_prefix(verdict.path)
@@ -265,13 +264,13 @@ class GenerationRun:
         return w.tokens, w.qs, w.steps, w.dropped, w.hit_cap
 
     def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list, committed: int) -> Verdict:
-        """The window's verdict. Logits past the tokenizer's ids are not read (padded tables), as
-        the target service does (services/target/session.py), so that seeded output is the same in
-        every topology; a window drafting such an id keeps them (no drafter emits one in practice)."""
+        """The window's verdict. Logits past the tokenizer's ids (a padded table's) are never read,
+        in every window, as the target service does (services/target/session.py): the target
+        alone and speculation then agree. No draft holds such an id: prompts are refused one, model
+        drafters give them no mass (fit_vocab), and lookups draft from the prompt and output."""
         q = torch.stack(qs) if qs and qs[0] is not None else None
         vocab = self.target.emitted_vocab
-        if logits.shape[-1] > vocab and max(drafts, default=0) < vocab:
-            logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
+        logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
         threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
         return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
                              committed)

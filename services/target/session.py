@@ -23,7 +23,7 @@ PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
 class TargetSession:
     def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False):
         sampling.validate(max_new_tokens_limit=target.max_context)
-        validate_prompt(prompt, target.vocab_size, target.max_context)
+        validate_prompt(prompt, target.emitted_vocab, target.max_context)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.kv = target.session()

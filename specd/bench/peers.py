@@ -102,7 +102,7 @@ class PeerRunner:
             ids, wall = self.llama.generate(peer, prompt, sampling)
             return self._strip(ids), wall
         model = self.target.model
-        kwargs = self._sampling_kwargs(sampling)
+        kwargs = self._sampling_kwargs(sampling) | self.target.emitted_only()  # as specd's target
         if peer == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
         elif peer in _ASSISTANT_FIELDS:

@@ -230,9 +230,10 @@ class ModelDraftSession(DraftSession):
     distribution after temperature/top-k/top-p, exactly what x is drawn from.
     """
 
-    def __init__(self, kv: KVSession, vocab_size: int):
+    def __init__(self, kv: KVSession, vocab_size: int, emitted: int | None = None):
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: draft logits are cropped or padded to it
+        self.emitted = emitted  # ids the target can emit (its tokenizer's): none past it is drafted
 
     def next(self, seq, params, generator, want_hidden):
         logits, hidden = self.kv.extend(seq[self.kv.length:], 1, want_hidden)
@@ -245,7 +246,7 @@ class ModelDraftSession(DraftSession):
                          lambda logits, hidden: self._token(logits, hidden, seq, params, generator))
 
     def _token(self, logits, hidden, seq, params, generator) -> DraftToken:
-        return draft_token(fit_vocab(logits[0], self.vocab_size), params, generator,
+        return draft_token(fit_vocab(logits[0], self.vocab_size, self.emitted), params, generator,
                            hidden[0] if hidden is not None else None, len(seq))
 
     def rollback(self, length: int) -> None:
@@ -281,10 +282,16 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return DraftToken(int(tok), q, prob, max_prob, h, hidden, noise=e)
 
 
-def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    if logits.shape[-1] == vocab_size:
-        return logits
+def fit_vocab(logits: torch.Tensor, vocab_size: int, emitted: int | None = None) -> torch.Tensor:
+    """Logits [..., vocab_size]: cropped, or padded with -inf. Ids from `emitted` on (a padded
+    table's rows past the tokenizer, which the target never emits) get -inf too, so that no draft
+    proposes one and q keeps all its mass where verification reads it."""
     if logits.shape[-1] > vocab_size:
-        return logits[..., :vocab_size]
-    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
-    return torch.cat([logits, pad], -1)
+        logits = logits[..., :vocab_size]
+    elif logits.shape[-1] < vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+        logits = torch.cat([logits, pad], -1)
+    if emitted is not None and emitted < logits.shape[-1]:
+        logits = logits.clone()
+        logits[..., emitted:] = float("-inf")
+    return logits

@@ -145,17 +145,18 @@ class EarlyExitDrafter(Drafter, ReducedVocab):
         return self._kv_pool
 
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
-        vocab_size = vocab_size or self.target.vocab_size
+        vocab_size, emitted = vocab_size or self.target.vocab_size, self.target.emitted_vocab
         if self._kv_pool is None and self.target.pool is not None:  # the target's pool: so do its first layers
             self._kv_pool = _pool_of(self, self.target.pool.num_slots, self.target.pool.max_len)
         if self._kv_pool is not None:
-            return ModelDraftSession(self._kv_pool.session(), vocab_size)
+            return ModelDraftSession(self._kv_pool.session(), vocab_size, emitted)
         if self.target.forward_kind() != "lean":
-            return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size)
+            return ModelDraftSession(KVSession(self.forward, self.target.device), vocab_size, emitted)
         if self._lean is None:
             self._lean = LeanModel(self.target.model, list(self.decoder.layers))
         # new_cache re-fuses weights that changed since the last session (training the layer adapter)
-        return ModelDraftSession(KVSession(self.lean_forward, self.target.device, self._lean.new_cache()), vocab_size)
+        kv = KVSession(self.lean_forward, self.target.device, self._lean.new_cache())
+        return ModelDraftSession(kv, vocab_size, emitted)
 
 
 def _pool_of(drafter: EarlyExitDrafter, slots: int, max_len: int) -> KVPool:

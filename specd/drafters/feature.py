@@ -191,7 +191,7 @@ class FeatureDraftSession(DraftSession):
         while self.length < need:  # past the verified prefix
             self._extend(self.outs[-1:], seq[self.length + 1:self.length + 2])
         out = self.outs[-1]
-        logits = fit_vocab(self.d.vocab_logits(out).float(), self.vocab_size)
+        logits = fit_vocab(self.d.vocab_logits(out).float(), self.vocab_size, self.d.target.emitted_vocab)
         return draft_token(logits, params, generator, out if want_hidden else None, len(seq))
 
     def _extend(self, feats: torch.Tensor, ids: list[int]) -> None:

@@ -14,10 +14,11 @@ class HfDrafter(Drafter):
         check_pair(draft, target)
         self.draft = draft
         self.vocab_size = target.vocab_size
+        self.emitted = min(draft.emitted_vocab, target.emitted_vocab)  # one tokenizer (check_pair)
 
     @property
     def name(self) -> str:
         return self.draft.name
 
     def open(self, vocab_size: int | None = None) -> ModelDraftSession:
-        return ModelDraftSession(self.draft.session(), vocab_size or self.vocab_size)
+        return ModelDraftSession(self.draft.session(), vocab_size or self.vocab_size, self.emitted)

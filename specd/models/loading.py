@@ -55,6 +55,14 @@ class LoadedModel:
         n = len(self.tokenizer) if self.tokenizer is not None else self.vocab_size
         return min(n, self.vocab_size)
 
+    def emitted_only(self) -> dict:
+        """transformers' generate() arguments that keep it to the emitted ids, as specd's own
+        decoding is (the corpus and bench's peer baselines); none where no row is padding."""
+        if self.emitted_vocab >= self.vocab_size:
+            return {}
+        from transformers import LogitsProcessorList
+        return {"logits_processor": LogitsProcessorList([_WithinVocab(self.emitted_vocab)])}
+
     @functools.cached_property
     def vocab_size(self) -> int:  # asked for every verified window: transformers' lookup cost microseconds
         return self.model.get_output_embeddings().weight.shape[0]
@@ -341,6 +349,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the vocabulary (token -> id), equal for interchangeable tokenizers."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+class _WithinVocab:
+    """A transformers logits processor: scores past the tokenizer's ids at -inf."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.vocab:] = float("-inf")
+        return scores
 
 
 def check_pair(draft: LoadedModel, target: LoadedModel) -> None:

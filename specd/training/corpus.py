@@ -131,6 +131,7 @@ def batched_generate(target: LoadedModel, prompts: Sequence[Sequence[int]], temp
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         torch.manual_seed(seed)
+    kwargs.update(target.emitted_only())  # as specd's target: no id past the tokenizer's
     out = model.generate(ids.to(target.device), attention_mask=mask.to(target.device), **kwargs)
     answers = []
     for row in out[:, width:].tolist():

@@ -187,8 +187,8 @@ def test_api_keys(serve, local_backend):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
-LONG = {"messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 480,
-        "speculative": {"enabled": False}}  # the tiny target answers 300+ tokens without EOS
+LONG = {"messages": [{"role": "user", "content": "the"}], "temperature": 0, "max_tokens": 480,
+        "speculative": {"enabled": False}}  # the tiny target answers "the" with 480 tokens, no EOS
 
 
 def _wait_idle(backend, timeout: float = 5.0) -> None:

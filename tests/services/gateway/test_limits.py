@@ -85,7 +85,8 @@ def test_requests_per_minute_are_shared_by_the_gateways(gateways, specd_cli, sto
 def test_tokens_per_minute(gateways, specd_cli, store):
     key = _create(specd_cli, "tpm-100", store, "--tpm", "100")
     t0 = time.monotonic()
-    r = _chat(gateways[0], key, max_tokens=60)  # the tiny target writes all 60 (no EOS that soon)
+    # The tiny target writes all 60 tokens of its answer to "Count" (no EOS that soon).
+    r = _chat(gateways[0], key, max_tokens=60, messages=[{"role": "user", "content": "Count"}])
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 60
     assert r.headers["x-ratelimit-limit-tokens"] == "100"

@@ -238,3 +238,25 @@ def test_the_engine_in_process_emits_what_the_target_service_emits(padded):
         want = _plain_run(svc.address, sampling, 16)
         got = SpeculativeEngine(target).generate(PROMPT, sampling, SpecParams("none")).token_ids
         assert got == want[:len(got)] and all(t < n for t in got), sampling
+
+
+def test_speculation_on_a_padded_table_equals_the_target_alone(padded):
+    """A draft model of the same padded table proposes no padding id (its q has no mass there),
+    so every window is verified over the tokenizer's ids as the target alone decodes: greedy and
+    seeded output are the same with and without drafts (before, a window holding a padding draft
+    read the padding logits and emitted other ids). A prompt with a padding id is refused."""
+    from specd.drafters.hf import HfDrafter
+    from specd.engine import SpeculativeEngine
+    from specd.errors import InvalidRequest
+    from specd.models.tiny import perturbed
+    from specd.types import SpecParams
+
+    _, target, n = padded
+    draft = loaded(perturbed(target.model, 0.05, 1), "tiny-padded-draft", target.tokenizer)
+    engine = SpeculativeEngine(target, HfDrafter(draft, target))
+    for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, seed=7, max_new_tokens=24)):
+        alone = engine.generate(PROMPT, sampling, SpecParams("none")).token_ids
+        spec = engine.generate(PROMPT, sampling, SpecParams("constant"))
+        assert spec.token_ids == alone and spec.stats.drafted > 0, sampling
+    with pytest.raises(InvalidRequest, match="prompt"):
+        engine.generate(PROMPT + [n + 1], SamplingParams(max_new_tokens=4), SpecParams("none"))
