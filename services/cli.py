@@ -33,6 +33,7 @@ from services.common.settings import (
     TargetSettings,
     TrainerSettings,
 )
+from services.common.state import has_password
 from specd.errors import SpecdError
 
 SERVICES = {"draft": DraftSettings, "target": TargetSettings, "coordinator": CoordinatorSettings,
@@ -81,9 +82,31 @@ def add_commands(sub) -> None:
     add_keys_command(sub)
 
 
+# Settings that hold a secret, and the environment variable that carries each instead of argv.
+SECRET_SETTINGS = {"auth_token": "SPECD_AUTH_TOKEN", "api_keys": "SPECD_GATEWAY_API_KEYS",
+                   "redis_url": "SPECD_REDIS_URL"}
+
+
+def secret_from_argv(field: str, value: str) -> str:
+    """A secret setting's command-line value: `@PATH` reads it from a file; a secret written out
+    is refused, since every user of the machine can read a process's argv (ps, /proc). A Redis
+    URL is a secret only when it holds a password."""
+    flag = "--" + field.replace("_", "-")
+    if value.startswith("@"):
+        try:
+            return Path(value[1:]).read_text().strip()
+        except OSError as e:
+            raise SpecdError(f"{flag}: cannot read {value[1:]}: {e.strerror}") from None
+    if field == "redis_url" and not has_password(value):
+        return value
+    raise SpecdError(f"{flag}: a secret on the command line is visible to every user of this machine; "
+                     f"set {SECRET_SETTINGS[field]} or pass {flag} @FILE")
+
+
 def _settings(name: str, args: argparse.Namespace):
     cls = SERVICES[name]
     given = {f: getattr(args, f) for f in cls.model_fields if getattr(args, f, None) is not None}
+    given.update({f: secret_from_argv(f, v) for f, v in given.items() if f in SECRET_SETTINGS})
     try:
         return cls(**given)
     except ValidationError as e:
@@ -256,12 +279,28 @@ def start_stack(plan: list[tuple[str, list[str], int]], procs: dict[str, subproc
     """Start each planned service as its own `specd serve` process, in order, each once the one
     before passes its health check; procs fills as they start (the caller stops them, _stop)."""
     for name, flags, port in plan:
+        flags, env = _secrets_to_env(flags)
         log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the child
         procs[name] = subprocess.Popen([sys.executable, "-m", "specd", "serve", role(name), "--port", str(port),
                                         *flags],
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         print(f"starting {name} on 127.0.0.1:{port} (log: {log_dir / f'{name}.log'})", flush=True)
         _wait_healthy(name, port, procs, log_dir, timeout_s)
+
+
+def _secrets_to_env(flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """flags without the secret settings' (a Redis URL may hold a password), and the environment
+    that carries those to the child instead, out of its argv."""
+    env, kept, i = dict(os.environ), [], 0
+    by_flag = {"--" + f.replace("_", "-"): var for f, var in SECRET_SETTINGS.items()}
+    while i < len(flags):
+        if flags[i] in by_flag and i + 1 < len(flags):
+            env[by_flag[flags[i]]] = flags[i + 1]
+            i += 2
+        else:
+            kept.append(flags[i])
+            i += 1
+    return kept, env
 
 
 def _wait_healthy(name: str, port: int, procs, log_dir: Path, timeout_s: float) -> None:

@@ -5,8 +5,9 @@ settings (services.common.settings.SecurityFields) for its server side and its c
   client certificate it presents when it calls another service. tls_ca verifies peers: the
   servers it calls (the system roots when unset) and, with tls_client_auth, its callers.
 - Token: auth_token is sent on every call as `authorization: Bearer <token>` and, on a server,
-  required of every call but the standard health check (`grpc.health.v1.Health`), which stays
-  open so that probes need no secret; it reveals only SERVING or NOT_SERVING. Under mTLS the
+  required of every call but the standard health check (`grpc.health.v1.Health/Check`), which
+  stays open so that probes need no secret; it reveals only SERVING or NOT_SERVING. Its stream,
+  Health.Watch, needs the token like any call that holds the server. Under mTLS the
   health check still needs a client certificate, as every call does.
 - Plaintext: allowed on loopback (with one warning line, as Redis' protected mode does) or when
   chosen with `insecure`; a server listening on, or a process dialing, another address with
@@ -31,7 +32,8 @@ from specd.errors import SpecdError
 log = logging.getLogger(__name__)
 
 AUTH_METADATA = "authorization"
-EXEMPT_PREFIX = "/grpc.health.v1.Health/"  # the health check: probes carry no token
+# The health check a probe makes carries no token; Health.Watch (a stream that lasts) needs one.
+EXEMPT_METHOD = "/grpc.health.v1.Health/Check"
 LOOPBACK_NAMES = {"localhost"}
 # Channels this process has opened (aio_channel, sync_channel): each is a resolution, a
 # handshake and, with TLS, the PEM files read again; tests count them.
@@ -244,7 +246,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler]],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(EXEMPT_PREFIX) or self._authorized(details):
+        if handler is None or details.method == EXEMPT_METHOD or self._authorized(details):
             return handler
         return _refusal(handler)
 

@@ -55,15 +55,55 @@ SPREAD = ("grpc.lb_policy_name", "round_robin")
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_connection_age_ms", 300_000), ("grpc.so_reuseport", 0)]
 
 
+class DrainingHealth(health.aio.HealthServicer):
+    """grpcio-health-checking's servicer, whose Watch streams end once the server drains: they
+    say NOT_SERVING and return, rather than hold the drain for its whole grace. Watch reads a
+    view of the statuses kept through the servicer's public methods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._view = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._changed = asyncio.Condition()
+        self._drained = False
+
+    async def set(self, service: str, status) -> None:
+        await super().set(service, status)
+        if not self._drained:
+            async with self._changed:
+                self._view[service] = status
+                self._changed.notify_all()
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        async with self._changed:
+            self._drained = True
+            self._view = dict.fromkeys(self._view, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._changed.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:  # noqa: N802 - gRPC's name
+        last = None
+        while True:
+            async with self._changed:
+                while (status := self._view.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)) \
+                        == last and not self._drained:
+                    await self._changed.wait()
+                drained = self._drained
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if drained:
+                return
+
+
 def make_server(service_names: list[str], observe: Observe | None = None,
                 security: GrpcSecurity | None = None, reflection: bool = False
-                ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+                ) -> tuple[grpc.aio.Server, DrainingHealth]:
     """A server with the interceptors (errors; the token check when security has a token), health
     (SERVING for "" and every name) and, when asked, reflection; observe(method, code,
     seconds) is called as each call ends, refused calls included."""
     interceptors = [ErrorInterceptor(observe), *(security or GrpcSecurity()).server_interceptors()]
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = DrainingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection:
         grpc_reflection.enable_server_reflection(

@@ -253,6 +253,14 @@ class GatewaySettings(ServiceSettings, SecurityFields):
     max_concurrent_requests: int = Field(64, ge=0, le=1 << 20,
                                          description="generations in flight beyond which a request is refused "
                                                      "at once with 503 and Retry-After (0: no limit)")
+    max_concurrent_per_key: int = Field(32, ge=0, le=1 << 20,
+                                        description="generations one API key without a concurrency limit of "
+                                                    "its own may have in flight on this gateway; one more "
+                                                    "gets 429 and Retry-After (0: no cap)")
+    fair_share_reserve: float = Field(0.125, ge=0, le=1,
+                                      description="fraction of max_concurrent_requests kept for API keys "
+                                                  "holding less than their fair share (the slots over the "
+                                                  "keys in flight); a key at its share gets 429 there")
     max_concurrent_parses: int = Field(4, ge=1, le=1024,
                                        description="large request bodies parsed and validated at once, off the "
                                                    "event loop; one more is refused with 503 and Retry-After")

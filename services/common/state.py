@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -78,18 +78,35 @@ def _escape(part: str) -> str:
     return part.replace("%", "%25").replace("|", "%7C")
 
 
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by "***" (for messages and logs)."""
+_SECRET_QUERY = frozenset({"password"})  # redis-py's query arguments that hold a secret
+
+
+def has_password(url: str) -> bool:
+    """Whether a Redis URL holds a password (in its userinfo or a `password=` query argument)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port is not None else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+        return parts.password is not None or any(k.lower() in _SECRET_QUERY for k, _ in parse_qsl(parts.query))
+    except ValueError:
+        return True  # unparsable: treat it as a secret
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password (userinfo or `password=` query argument) replaced by "***", for
+    messages and logs."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is not None:
+            user = parts.username or ""
+            host = parts.hostname or ""
+            if ":" in host:
+                host = f"[{host}]"
+            port = f":{parts.port}" if parts.port is not None else ""
+            parts = parts._replace(netloc=f"{user}:***@{host}{port}")
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY for k, _ in query):
+            hidden = [(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in query]
+            parts = parts._replace(query=urlencode(hidden, safe="*"))
+        return urlunsplit(parts)
     except ValueError:  # unparsable: say nothing of it rather than leak a secret
         return "<redis url>"
 

@@ -34,7 +34,8 @@ Histograms:
   specd_inter_token_latency_seconds       seconds per output token after the first: each
                                           verification's gap shared evenly by the tokens it emitted
 Gauges:
-  specd_policy_state{task_tag, key}       the adaptive policy's state after the latest request
+  specd_policy_state{task_tag, key}       the adaptive policy's state after the latest request; task_tag
+                                          is opaque (tag_label) but for "default"
                                           (the thresholds: `lam` of max-confidence/adaedl, `k` of heuristic,
                                           `rej_h_sum`/`rej_n` of adasd)
   specd_active_sessions{service="coordinator"}
@@ -58,6 +59,7 @@ seconds, so it says how much sooner each answer arrives, not how many more reque
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -77,6 +79,15 @@ from specd.errors import InvalidRequest, Unavailable
 from specd.policies import NO_SPECULATION, POLICIES
 
 LABELS = ["model", "policy", "drafter"]
+def tag_label(task_tag: str) -> str:
+    """The `task_tag` label of a tag: "default" as it is, any other (chosen by clients, scoped to
+    their key by the gateway) "t" and 12 hex digits of its SHA-256, so that /metrics shows no
+    client's text. An operator finds a known tag's series by its label: tag_label(tag)."""
+    if task_tag == "default":
+        return task_tag
+    return "t" + hashlib.sha256(task_tag.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
 MAX_TASK_TAGS = 64  # distinct task tags given series of their own; later ones share "other"
 
 
@@ -201,6 +212,7 @@ class CoordinatorMetrics:
             self.accepted_at.labels(*labels, pos).inc(accepted_at.get(pos, 0))
 
     def record_policy_state(self, labels: tuple[str, str, str], task_tag: str, state: dict[str, float]) -> None:
+        task_tag = tag_label(task_tag)
         if task_tag not in self._task_tags:
             if len(self._task_tags) >= MAX_TASK_TAGS:
                 task_tag = "other"

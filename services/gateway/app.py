@@ -28,6 +28,7 @@ import json
 import json.decoder
 import json.scanner
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -70,19 +71,32 @@ PARSE_OFF_LOOP_BYTES = 64 << 10  # smaller bodies parse on the loop in well unde
 class Admission:
     """At most `limit` generations in flight on this gateway (0: no limit); one more is refused
     at once with Overloaded (503 and Retry-After), never queued. The routes run on one event
-    loop, so a plain counter is enough. Once `draining` (shutting down), every new generation
-    is refused with Unavailable (503 and Retry-After) while those in flight finish."""
+    loop, so plain counters are enough. Once `draining` (shutting down), every new generation
+    is refused with Unavailable (503 and Retry-After) while those in flight finish.
 
-    def __init__(self, limit: int = 0):
-        self.limit, self.in_flight = limit, 0
+    Between API keys (docs/deploy.md, "Security"): a key without a concurrency limit of its own
+    holds at most `per_key` generations here (0: no cap), and the last `reserve` of the slots go
+    only to keys holding less than a fair share (the slots over the keys in flight and one
+    more), so that a key arriving at a gateway another key fills still gets in. Both refusals are the key's: 429
+    and Retry-After. Requests without a key (an open API) share one count."""
+
+    def __init__(self, limit: int = 0, per_key: int = 0, reserve: float = 0.125):
+        self.limit, self.per_key, self.in_flight = limit, per_key, 0
+        self.reserve = math.ceil(limit * reserve) if limit else 0
+        self.by_key: dict[str, int] = {}
         self.draining = False
 
-    def enter(self) -> Callable[[], None]:
-        """Count a generation in; returns its release, which is safe to call more than once."""
+    def enter(self, key: str | None = None, own_limit: int = 0) -> Callable[[], None]:
+        """Count a generation in (key: its API key's name; own_limit: that key's own concurrency
+        limit, enforced across replicas by the limiter); returns its release, safe to call more
+        than once."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; retry the request")
         if self.limit and self.in_flight >= self.limit:
             raise Overloaded(f"the gateway is serving its limit of {self.limit} concurrent requests")
+        if key is not None:
+            self._check_share(key, own_limit)
+            self.by_key[key] = self.by_key.get(key, 0) + 1
         self.in_flight += 1
         done = False
 
@@ -91,8 +105,27 @@ class Admission:
             if not done:
                 done = True
                 self.in_flight -= 1
+                if key is not None:
+                    left = self.by_key[key] - 1
+                    if left:
+                        self.by_key[key] = left
+                    else:
+                        del self.by_key[key]
 
         return release
+
+    def _check_share(self, key: str, own_limit: int) -> None:
+        held = self.by_key.get(key, 0)
+        if self.per_key and not own_limit and held >= self.per_key:
+            raise errors.RateLimited(f"this API key has {held} requests in flight on this gateway, its limit of "
+                              f"{self.per_key}; retry when one finishes", "concurrent",
+                              {"Retry-After": errors.RETRY_AFTER_S})
+        if self.limit and self.limit - self.in_flight <= self.reserve:
+            fair = math.ceil(self.limit / (len(self.by_key) + 1))  # a share kept for one more key
+            if held >= fair:
+                raise errors.RateLimited(f"the gateway is nearly full and this API key holds {held} of its "
+                                  f"{self.limit} slots, its fair share; retry when one finishes", "concurrent",
+                                  {"Retry-After": errors.RETRY_AFTER_S})
 
 
 def _py_decoder() -> json.JSONDecoder:
@@ -246,7 +279,10 @@ async def prometheus_metrics(gw: GatewayDep) -> Response:
 # -- one generation ---------------------------------------------------------------------------
 
 async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: bool):
-    release = gw.admission.enter()  # over the limit: 503 at once, before any work
+    record = getattr(request.state, "api_key", None)  # authenticated before the body was read
+    # Over the gateway's limit: 503 at once, before any work; over the key's share of it: 429.
+    release = gw.admission.enter(record.name if record is not None else None,
+                                 record.limits.concurrent_requests if record is not None else 0)
     streaming = False
     try:
         gen = convert.generate_request(body, default_policy=gw.default_policy,
@@ -379,7 +415,8 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
                api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None,
                max_concurrent_requests: int = 0, max_body_bytes: int = 4 << 20, keys: KeyRing | None = None,
                limiter: Limiter | None = None, max_concurrent_parses: int = 4,
-               stream_send_timeout_s: float = 30.0) -> FastAPI:
+               stream_send_timeout_s: float = 30.0, max_concurrent_per_key: int = 0,
+               fair_share_reserve: float = 0.125) -> FastAPI:
     """The gateway over `backend`. max_concurrent_requests: generations in flight beyond which
     a request is refused at once (503, Retry-After; 0: no limit). max_body_bytes: a larger
     request body is refused with 413 before it is read (0: no limit). With keys (a KeyRing) or
@@ -387,8 +424,9 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
     is read, and each key's limits apply (limiter: shared by replicas through Redis; default: this
     process's memory); without either the API is open. /health and /metrics stay open for probes
     and Prometheus. max_concurrent_parses: large bodies parsed at once (off the loop);
-    stream_send_timeout_s: a stream whose client accepts nothing this long is ended. /metrics serves `registry` (an
-    in-process coordinator's series go there too), a new one by default."""
+    stream_send_timeout_s: a stream whose client accepts nothing this long is ended.
+    max_concurrent_per_key, fair_share_reserve: the share of one key (Admission). /metrics serves
+    `registry` (an in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,
                   description="OpenAI-compatible API over speculative decoding. Per-request speculation "
                               "settings go in the `speculative` body field; each response carries "
@@ -398,7 +436,8 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
         keys = KeyRing(static_keys=sorted(api_keys))
     auth = Auth(keys, limiter, metrics)
     app.state.gateway = Gateway(backend, max_tokens_limit, default_policy, auth, metrics, int(time.time()),
-                                Admission(max_concurrent_requests), BodyParser(max_concurrent_parses),
+                                Admission(max_concurrent_requests, max_concurrent_per_key, fair_share_reserve),
+                                BodyParser(max_concurrent_parses),
                                 stream_send_timeout_s)
     app.include_router(v1)
     app.include_router(ops)

@@ -130,7 +130,8 @@ async def serve(s: GatewaySettings) -> None:
     app = create_app(backend, max_tokens_limit=s.max_tokens_limit, default_policy=s.default_policy, keys=keys,
                      limiter=limiter, registry=registry, max_concurrent_requests=s.max_concurrent_requests,
                      max_body_bytes=s.max_body_bytes, max_concurrent_parses=s.max_concurrent_parses,
-                     stream_send_timeout_s=s.stream_send_timeout_s)
+                     stream_send_timeout_s=s.stream_send_timeout_s,
+                     max_concurrent_per_key=s.max_concurrent_per_key, fair_share_reserve=s.fair_share_reserve)
     config = uvicorn_config(app, s)
     server = DrainingServer(config, app.state.gateway.admission, s.drain_grace_s)
     what = f"coordinator {s.coordinator_address}" if s.coordinator_address else f"target {s.target_address}"

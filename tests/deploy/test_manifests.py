@@ -1100,9 +1100,13 @@ def _seconds(value) -> float:
 
 def test_shutdown_waits_longer_than_the_drain_grace():
     """Kubernetes and compose give each specd process more time than its drain grace before they
-    kill it (terminationGracePeriodSeconds, stop_grace_period)."""
-    for dep, _, kind, env in specd_containers():
+    kill it (terminationGracePeriodSeconds, stop_grace_period); in Kubernetes a preStop pause
+    comes first, so that no request is sent to a pod that already drains."""
+    for dep, container, kind, env in specd_containers():
         grace = float(setting(kind, env, "drain_grace_s"))
-        assert pod_spec(dep)["terminationGracePeriodSeconds"] > grace, dep["metadata"]["name"]
+        # A preStop pause first (out of the endpoints before the drain), within the same period.
+        pause = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pause[0] == "sleep" and 1 <= float(pause[1]) <= 30, dep["metadata"]["name"]
+        assert pod_spec(dep)["terminationGracePeriodSeconds"] > grace + float(pause[1]), dep["metadata"]["name"]
     for name, (kind, env, svc) in compose_specd(load_compose(COMPOSE)).items():
         assert _seconds(svc["stop_grace_period"]) > float(setting(kind, env, "drain_grace_s")), name

@@ -20,8 +20,10 @@ import httpx
 import pytest
 
 from services import bench_load
-
+from services.coordinator.metrics import tag_label
 from tests.integration.conftest import HTTP_TIMEOUT_S, MAX_TOKENS, MESSAGES, Stack
+
+TAG = "metrics-test"
 
 pytestmark = pytest.mark.embedded
 
@@ -92,7 +94,7 @@ def value(samples: dict[str, list], name: str, **labels) -> float:
 
 def test_every_process_exports_consistent_metrics(stack):
     for policy in ("heuristic", "constant"):
-        _chat(stack, 24, policy=policy, task_tag="metrics-test")
+        _chat(stack, 24, policy=policy, task_tag=TAG)
     _chat(stack, 8, enabled=False)
     coord, draft = scrape(stack.metrics_url("coordinator")), scrape(stack.metrics_url("draft"))
     target, gateway = scrape(stack.metrics_url("target")), scrape(stack.metrics_url("gateway"))
@@ -117,7 +119,7 @@ def test_every_process_exports_consistent_metrics(stack):
                                                                              policy="none")
     assert value(coord, "specd_inter_token_latency_seconds_count") > 0
     assert value(coord, "specd_request_duration_seconds_count") >= 3
-    assert value(coord, "specd_policy_state", policy="heuristic", task_tag="metrics-test", key="k") >= 1
+    assert value(coord, "specd_policy_state", policy="heuristic", task_tag=tag_label(TAG), key="k") >= 1
     assert value(coord, "specd_grpc_requests_total", service="coordinator", method="Generate", code="OK") >= 3
 
     assert value(draft, "specd_draft_tokens_total") >= value(coord, "specd_drafted_tokens_total")

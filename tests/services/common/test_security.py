@@ -202,6 +202,26 @@ def test_the_health_check_needs_no_token(secure_target, token_target, pki):
     assert not asyncio.run(check_health(secure_target.address, security=client(pki, "none", token=None)))
 
 
+def test_health_watch_needs_the_token(token_target):
+    """Watch is a stream that holds the server: without the token it is refused (it was open)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.server import channel
+
+    async def watch(security) -> grpc.StatusCode:
+        async with channel(token_target.address, security=security) as ch:
+            call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            try:
+                await call.read()
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            call.cancel()
+            return grpc.StatusCode.OK
+
+    assert asyncio.run(watch(None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(watch(GrpcSecurity(auth_token=TOKEN))) == grpc.StatusCode.OK
+
+
 # -- the secured path through a coordinator ------------------------------------------------------
 
 def test_secured_coordinator_answers_as_the_target_alone(secure_target, secure_draft, chat_pair, pki):

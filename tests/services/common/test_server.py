@@ -144,3 +144,25 @@ def test_a_writing_stream_that_fails_ends_in_its_errors_status():
     got, error = asyncio.run(main())
     assert got == [b"one"]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.details()
+
+
+def test_a_drain_ends_health_watch_streams_instead_of_waiting_out_its_grace():
+    """A Watch stream open when the server drains gets NOT_SERVING and its end (status OK), so
+    server.stop(grace) returns at once; before, it waited the whole grace for that stream."""
+    async def main():
+        server, port = await start_server("t.T", lambda servicer, server: None, None, "127.0.0.1", 0)
+        async with channel(f"127.0.0.1:{port}") as ch:
+            call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="t.T"), timeout=60)
+            assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+            await server_module._HEALTH[server].enter_graceful_shutdown()
+            t0 = time.monotonic()
+            stopping = asyncio.ensure_future(server.stop(30))
+            statuses = []
+            while (r := await call.read()) is not grpc.aio.EOF:
+                statuses.append(r.status)
+            await stopping
+            return statuses, await call.code(), time.monotonic() - t0
+
+    statuses, code, seconds = asyncio.run(main())
+    assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING and code == grpc.StatusCode.OK
+    assert seconds < 10  # not the grace of 30 s

@@ -15,6 +15,7 @@ from services.common.metrics import catalog, new_registry
 from services.common.state import AsyncMemoryStateStore
 from services.coordinator.api import FinishEvent, GenerateRequest
 from services.coordinator.coordinator import Coordinator, CoordinatorConfig
+from services.coordinator.metrics import tag_label
 from specd.errors import InvalidRequest
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import eventually
@@ -161,8 +162,9 @@ def test_speedup_series_prices_the_target_alone(served):
 
 def test_policy_state_gauge_follows_the_task_tag(served):
     registry = served[0]
-    k = total(registry, "specd_policy_state", policy="heuristic", task_tag="code", key="k")
+    k = total(registry, "specd_policy_state", policy="heuristic", task_tag=tag_label("code"), key="k")
     assert k >= 1  # the heuristic's adapted draft length after the request
+    assert 'task_tag="code"' not in generate_latest(registry).decode()  # no client's text on /metrics
     assert total(registry, "specd_policy_state", policy="constant") == 0  # a stateless policy: no series
 
 
