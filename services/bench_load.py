@@ -507,6 +507,7 @@ def cmd_bench_load(args) -> int:
 
     from services.cli import _plan, _stop, free_port, start_stack
     from specd.bench.datasets import dataset_label, load_questions
+    from specd.costs import provenance
 
     modes = _csv(args.modes)
     if not modes:
@@ -541,6 +542,7 @@ def cmd_bench_load(args) -> int:
     doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     doc["settings"]["dataset"] = dataset_label(args.dataset)
     doc["machine"], doc["server"] = _machine(), server
+    doc["provenance"] = provenance()  # the commit, the CPU's instruction sets, versions, threads
     if costs is not None:
         doc["target_costs"] = costs
     args.out.mkdir(parents=True, exist_ok=True)

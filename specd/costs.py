@@ -368,6 +368,46 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+             "amx_int8", "amx_tile", "asimd", "sve")  # the instruction sets CPU forwards' speed depends on
+
+
+def cpu_flags() -> list[str]:
+    """The instruction-set flags of this CPU that ISA_FLAGS names (from /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def provenance() -> dict:
+    """What every benchmark's results file records: the commit, the machine (CPU model, its
+    instruction sets, cores; GPUs), the thread count and the versions of torch and
+    transformers."""
+    import subprocess
+
+    import torch
+    import transformers
+
+    try:
+        root = Path(__file__).resolve().parents[1]
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
+    return {"commit": commit, "dirty": dirty, "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "gpus": gpus, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
 def forwards_of(target) -> str:
     """How the target's pooled forwards run: eager, or which compiled library or CUDA graphs."""
     runner = getattr(getattr(target, "pool", None), "runner", None)

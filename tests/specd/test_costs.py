@@ -213,3 +213,17 @@ def test_a_window_size_asked_again_follows_the_scale_as_the_first_time():
         fresh = CostCurve(1e-3, [1, 2, 4, 8], [0.020, 0.021, 0.025, 0.031], scale=live.scale)
         assert [live.t_target(k) for k in sizes] == [fresh.t_target(k) for k in sizes]
     assert live.scale != 1.0
+
+
+def test_provenance_names_the_commit_the_cpu_and_the_versions():
+    import subprocess
+
+    import torch
+
+    from specd.costs import ISA_FLAGS, provenance
+
+    p = provenance()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert p["commit"] == (head or None) and isinstance(p["dirty"], bool)
+    assert p["cpu"] and set(p["cpu_flags"]) <= set(ISA_FLAGS) and p["torch"] == torch.__version__
+    assert p["torch_threads"] == torch.get_num_threads() and p["cores"] >= 1 and "transformers" in p

@@ -35,7 +35,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     assert json.loads(stdout) == doc
     assert {"machine", "command", "settings", "configs", "records", "aggregates", "oracle", "contention"} <= set(doc)
     assert {"cpu", "cores", "torch_threads", "device", "dtype", "torch", "transformers", "linear_kernels",
-            "forward"} <= set(doc["machine"])
+            "forward", "commit", "cpu_flags"} <= set(doc["machine"])
     assert doc["machine"]["forward"] == "lean"
     labels = ["ar", "hf/constant", "hf/heuristic", "hf/svip", "hf-ar", "hf-prompt-lookup", "hf-assisted"]
     assert list(doc["aggregates"]) == labels
