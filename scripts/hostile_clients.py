@@ -134,6 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3, help="quiet/hostile pairs")
+    ap.add_argument("--no-readers", action="store_true", help="measure the bodies only")
     ap.add_argument("--send-timeout", type=float, default=10.0, help="the gateway's stream_send_timeout_s")
     args = ap.parse_args()
     os.environ["SPECD_GATEWAY_STREAM_SEND_TIMEOUT_S"] = str(args.send_timeout)
@@ -161,7 +162,7 @@ def main() -> int:
             "hostile_health_max_s": max(a["health_max_s"] for a in loud),
             "body_bytes": len(body),
         }
-        stalled = readers(url, port, metrics_url, 16, args.send_timeout)
+        stalled = {} if args.no_readers else readers(url, port, metrics_url, 16, args.send_timeout)
         doc = {"question": __doc__.splitlines()[0], "provenance": provenance(), "command": " ".join(sys.argv),
                "send_timeout_s": args.send_timeout, "summary": summary, "arms": arms, "stalled_readers": stalled}
         args.out.mkdir(parents=True, exist_ok=True)
