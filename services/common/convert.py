@@ -1,4 +1,4 @@
-"""Protobuf <-> domain conversion shared by every service (STYLE.md habit 3): sampling
+"""Protobuf <-> domain conversion shared by every service: sampling
 parameters, exact draft distributions and model descriptions."""
 
 from __future__ import annotations

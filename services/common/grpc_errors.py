@@ -1,5 +1,5 @@
 """One place that maps specd's typed errors to gRPC statuses (servers) and back (clients),
-so that servicers hold no error handling (STYLE.md habit 4).
+so that servicers hold no error handling: they only translate.
 
 InvalidRequest -> INVALID_ARGUMENT with the message "field: what is wrong"; Overloaded ->
 RESOURCE_EXHAUSTED; Unavailable -> UNAVAILABLE; ModelError -> FAILED_PRECONDITION; any

@@ -1,4 +1,4 @@
-"""Prometheus plumbing shared by every process (STYLE.md habit 6: the core records plain
+"""Prometheus plumbing shared by every process (the core records plain
 statistics; each service's `metrics` module turns them into series).
 
 Each process exports its series from a registry of its own (several services can share one

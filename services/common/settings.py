@@ -1,4 +1,4 @@
-"""Typed, validated settings shared by the service settings classes (STYLE.md habit 5):
+"""Typed, validated settings shared by the service settings classes:
 each service reads flags and `SPECD_<SERVICE>_*` environment variables through one
 pydantic-settings class; `SPECD_REDIS_URL` and `SPECD_CACHE_DIR` are shared by all."""
 
