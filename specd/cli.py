@@ -77,8 +77,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "the machine's C++ compiler on first use) or else oneDNN with weights packed at "
                         "load time (faster there: docs/engine.md); torch: PyTorch's default kernels")
     p.add_argument("--forward", default="auto", choices=["auto", "lean", "hf"],
-                   help="how KV sessions run the model. auto: specd's lean Llama forward for a float32 "
-                        "Llama on the CPU (transformers' logits bit for bit, faster a step: "
+                   help="how KV sessions run the model. auto: specd's lean forward for a float32 "
+                        "model of a family it serves, on the CPU (transformers' logits, faster a step: "
                         "docs/engine.md); hf: transformers' forward")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "compiled"],
                    help="auto: on a CUDA device, run the target from a preallocated KV pool with each "

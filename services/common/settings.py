@@ -60,8 +60,8 @@ class ModelFields(BaseSettings):
                                             "CPU, specd's few-row product where it builds, else oneDNN "
                                             "with weights packed at load time)")
     forward: str = Field("auto", pattern="^(auto|lean|hf)$",
-                         description="auto | lean | hf (auto: specd's lean Llama forward for a float32 "
-                                     "Llama on the CPU, transformers' logits bit for bit)")
+                         description="auto | lean | hf (auto: specd's lean forward for a float32 "
+                                     "model of a family it serves on the CPU, transformers' logits)")
     cache_dir: Path | None = Field(None, validation_alias=AliasChoices("cache_dir", "SPECD_CACHE_DIR"),
                                    description="where the embedded model's dequantized weights are kept")
 

@@ -234,8 +234,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
     linear_kernels: auto | rows | onednn | torch (specd/models/kernels.py; auto runs specd's
     few-row product on a float32 CPU model where it builds, else oneDNN with packed weights).
-    forward: auto | lean | hf (specd/models/lean.py; auto runs the lean Llama forward on the
-    CPU). cuda_graphs: auto | on | off | compiled (auto: on a CUDA device, for a model the lean
+    forward: auto | lean | hf (specd/models/lean.py; auto runs the lean forward on the
+    CPU for every family it serves). cuda_graphs: auto | on | off | compiled (auto: on a CUDA device, for a model the lean
     forward supports, sessions open in a KV pool whose forwards are captured in CUDA graphs on
     first use, specd/models/graphs.py; compiled: graphs of layers compiled by torch.compile).
     tensor_parallel: this process's specd.models.tp.TensorParallel (its share of every layer,
