@@ -9,6 +9,11 @@ D drafted and A accepted draft tokens:
     speedup           = tokens/s of a configuration / tokens/s of target-only decoding,
                         per (prompt, repeat) in the same run; summarised by the median and
                         [min, max] over prompts x repeats, and by the ratio of sums.
+
+A peer that raised on a prompt has a failed record there ({"failed": "ValueError: ..."}, no
+numbers), which keeps its place in the list so that the runs stay paired with the baseline's;
+the aggregate and the speedups are over the runs that completed (against `ar` on the same
+prompts), and count the ones that failed.
 """
 
 from __future__ import annotations
@@ -72,6 +77,29 @@ def peer_record(token_ids: Sequence[int], wall: float, baseline_ids: Sequence[in
             "identical": None if baseline_ids is None else list(token_ids) == list(baseline_ids)}
 
 
+ERROR_CHARS = 200  # a failed record's reason: the exception's type and message, on one line
+
+
+def failed_record(error: BaseException) -> dict:
+    """A peer run that raised: why, in one short line (the benchmark goes on without it)."""
+    message = " ".join(str(error).split())
+    reason = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return {"failed": reason if len(reason) <= ERROR_CHARS else reason[:ERROR_CHARS - 1] + "…"}
+
+
+def failed(record: dict) -> bool:
+    return bool(record.get("failed"))
+
+
+def _completed(records: Sequence[dict], baseline: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """The runs that completed and the baseline's runs of the same (prompt, repeat), paired in
+    order (every list holds the same prompts x repeats in the same order)."""
+    if not any(failed(r) for r in records):
+        return list(records), list(baseline)
+    pairs = [(r, b) for r, b in zip(records, baseline) if not failed(r)]
+    return [r for r, _ in pairs], [b for _, b in pairs]
+
+
 def spread(values: Sequence[float]) -> dict:
     """Median and [min, max]; empty input gives None."""
     if not values:
@@ -80,7 +108,9 @@ def spread(values: Sequence[float]) -> dict:
 
 
 def speedups(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
-    """Per-run tokens/s ratios against the baseline run of the same (prompt, repeat), paired in order."""
+    """Per-run tokens/s ratios against the baseline run of the same (prompt, repeat), paired in
+    order; failed runs, and the baseline's runs of their prompts, are left out."""
+    records, baseline = _completed(records, baseline)
     ratios = [_ratio(r["tokens_per_s"], b["tokens_per_s"]) for r, b in zip(records, baseline)]
     tps = _ratio(sum(r["new_tokens"] for r in records), sum(r["wall_time_s"] for r in records))
     base_tps = _ratio(sum(b["new_tokens"] for b in baseline), sum(b["wall_time_s"] for b in baseline))
@@ -88,18 +118,24 @@ def speedups(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
 
 
 def aggregate(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
-    """Totals over all runs of one configuration (sums first, then ratios)."""
-    total = {k: sum(r.get(k) or 0 for r in records)
+    """Totals over all completed runs of one configuration (sums first, then ratios), and which
+    ones failed: failed_runs, failed_prompts (keys, in order) and errors (reason -> runs)."""
+    failures = [r for r in records if failed(r)]
+    done = [r for r in records if not failed(r)]
+    total = {k: sum(r.get(k) or 0 for r in done)
              for k in ("new_tokens", "wall_time_s", "drafted", "accepted", "verifications",
                        "draft_time_s", "verify_time_s")}
     n, v, d, a = total["new_tokens"], total["verifications"], total["drafted"], total["accepted"]
-    draft_lengths = [k for r in records for k in r.get("draft_lengths", [])]
-    accepted_lengths = [k for r in records for k in r.get("accepted_lengths", [])]
-    identical = [r["identical"] for r in records if r.get("identical") is not None]
-    engine = "verifications" in records[0] if records else False
+    draft_lengths = [k for r in done for k in r.get("draft_lengths", [])]
+    accepted_lengths = [k for r in done for k in r.get("accepted_lengths", [])]
+    identical = [r["identical"] for r in done if r.get("identical") is not None]
+    engine = "verifications" in done[0] if done else False
     return {
         **total,
-        "runs": len(records),
+        "runs": len(done),
+        "failed_runs": len(failures),
+        "failed_prompts": list(dict.fromkeys(r["prompt"] for r in failures if "prompt" in r)),
+        "errors": dict(Counter(r["failed"] for r in failures)),
         "tokens_per_s": _ratio(n, total["wall_time_s"]),
         "speedup": speedups(records, baseline),
         "mean_accepted_tokens": _ratio(a, v) + 1.0 if engine and v else None,
@@ -109,7 +145,7 @@ def aggregate(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
         "mean_draft_length": _ratio(d, len(draft_lengths)) if engine else None,
         "draft_length_histogram": histogram(draft_lengths),
         "accepted_length_histogram": histogram(accepted_lengths),
-        "entropy_bins": _sum_bins([r["entropy_bins"] for r in records if r.get("entropy_bins")]),
+        "entropy_bins": _sum_bins([r["entropy_bins"] for r in done if r.get("entropy_bins")]),
         "identical": all(identical) if identical else None,
     }
 

@@ -121,10 +121,12 @@ def report_md(doc: dict) -> str:
         sp = a["speedup"]
         frac = a.get("oracle_fraction")
         ident = {True: "yes", False: "**no**", None: "–"}[a["identical"]]
-        lines.append(f"| {label} | {a['tokens_per_s']:.1f} | {_fmt(sp['median'])}× [{_fmt(sp['min'])}, "
+        tps = _fmt(a["tokens_per_s"] if a["runs"] else None, ".1f")  # no run completed: no rate
+        lines.append(f"| {label} | {tps} | {_fmt(sp['median'])}× [{_fmt(sp['min'])}, "
                      f"{_fmt(sp['max'])}] | {_fmt(a['mean_accepted_tokens'])} | {_fmt(a['acceptance_rate'])} | "
                      f"{_fmt(a['verification_rate'])} | {_fmt(a['discard_rate'])} | {_fmt(a['mean_draft_length'])} | "
                      f"{_fmt(None if frac is None else 100 * frac, '.0f')}{'%' if frac is not None else ''} | {ident} |")
+    lines += _failure_lines(doc["aggregates"], len(doc["prompts"]), s.get("repeats", 1))
     lines += _oracle_lines(doc["oracle"], doc["aggregates"])
     lines += _policy_curve_lines(doc.get("policy_cost_curves"))
     lines += _parts_lines(doc.get("parts"))
@@ -134,6 +136,24 @@ def report_md(doc: dict) -> str:
         lines += ["", "Skipped:", *[f"- {c['label']}: {c['skipped']}" for c in skipped]]
     lines.append("")
     return "\n".join(lines)
+
+
+def _failure_lines(aggregates: dict, prompts: int, repeats: int) -> list[str]:
+    """The peers that could not run some prompts (specd.bench.runner.run_peer): how many, which,
+    and why; their rows above are over the prompts they ran."""
+    failing = {label: a for label, a in aggregates.items() if a.get("failed_runs")}
+    if not failing:
+        return []
+    out = ["", "**Failed runs**: these peers raised on some prompts; each row above is over the prompts it ran "
+               "(its speedups against `ar` on those same prompts), and results.json keeps every failed record:"]
+    for label, a in failing.items():
+        runs = f", {a['failed_runs']} of {a['failed_runs'] + a['runs']} runs" if repeats > 1 else ""
+        errors = list(a["errors"].items())
+        why = "; ".join(reason + (f" ({n} runs)" if n > 1 and len(errors) > 1 else "") for reason, n in errors[:3])
+        more = f"; and {len(errors) - 3} other errors" if len(errors) > 3 else ""
+        out.append(f"- {label}: {len(a['failed_prompts'])} of {prompts} prompts failed "
+                   f"({', '.join(a['failed_prompts'])}{runs}): {why}{more}")
+    return out
 
 
 def _oracle_lines(oracle: dict, aggregates: dict) -> list[str]:

@@ -3,10 +3,15 @@ per prompt (baseline, config A, config B, ... for one prompt, then the next; all
 `repeats` times) so that slow drift of the machine cancels out of the speedup ratios. Each run
 also records how much of the CPUs other processes took meanwhile (specd.bench.contention), so
 that a burst of foreign work is flagged instead of skewing the ratios unseen.
+
+A peer that cannot run a prompt (it raises) gets a failed record for it, saying why, and the
+run goes on: its row is over the prompts it ran and counts the ones it could not
+(specd.bench.metrics). specd's own configurations are never caught: their failure ends the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 
@@ -17,7 +22,7 @@ from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, bu
 from specd.bench.contention import CpuShare
 from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
 from specd.bench.llama_cpp import LLAMA_PEERS
-from specd.bench.metrics import peer_record, run_record
+from specd.bench.metrics import failed_record, peer_record, run_record
 from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
@@ -107,6 +112,18 @@ class BenchRun:
         check = reference if (self.s.reproducible and c.label != BASELINE) else None
         return run_record(out.stats, out.token_ids, check), out.token_ids
 
+    def run_peer(self, c: Config, prompt: list[int], reference: list[int] | None,
+                 key: str) -> tuple[dict, list[int] | None]:
+        """A peer's run, or, where the peer raises, a failed record saying why (the exception's
+        type and message) and no tokens: one peer that cannot run one prompt loses that run only."""
+        try:
+            return self.run_one(c, prompt, reference)
+        except Exception as e:  # noqa: BLE001  (whatever a peer's library raises)
+            record = failed_record(e)
+            tqdm.write(f"warning: {c.label} failed on {key}: {record['failed']}; the run goes on without it",
+                       file=sys.stderr)
+            return record, None
+
     def warm_up(self) -> None:
         """One short untimed run per engine (fresh state stores), so no config pays first-call costs."""
         prompt = self.prompt_ids[self.prompts[0].key]
@@ -116,7 +133,8 @@ class BenchRun:
             SpeculativeEngine(self.m.target, drafter).generate(prompt, short, SpecParams("constant"))
         for c in self.configs:  # llama.cpp loads its model and spins up its threads
             if c.kind == "peer" and not c.skip and c.label in LLAMA_PEERS:
-                self.peers.generate(c.label, prompt, short)
+                with contextlib.suppress(Exception):  # a failure recurs in the timed run and is recorded there
+                    self.peers.generate(c.label, prompt, short)
         for c in self.configs:  # the start-up cost-curve measurement, before any timed run
             # (draft trees size themselves on the curve, whatever the policy)
             trees = c.branches if c.branches is not None else c.drafter and self.m.drafters[c.drafter].branches
@@ -133,8 +151,9 @@ class BenchRun:
                     reference = None
                     for c in active:  # the baseline is first
                         bar.set_postfix_str(f"{p.key} {c.label}")
-                        with CpuShare() as share:
-                            record, tokens = self.run_one(c, ids, reference)
+                        with CpuShare() as share:  # only peers are caught (run_peer); specd's own runs are not
+                            record, tokens = (self.run_peer(c, ids, reference, p.key) if c.kind == "peer"
+                                              else self.run_one(c, ids, reference))
                         if c.label == BASELINE:
                             reference = tokens
                             self.baseline_ids[(rep, p.key)] = tokens

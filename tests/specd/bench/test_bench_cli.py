@@ -219,3 +219,75 @@ def test_cold_start_runs_each_prompt_from_empty_state(tiny_dirs, tmp_path, specd
     assert (first == second) is cold
     assert doc["settings"]["cold_start"] is cold
     assert ("every run cold" in (out / "report.md").read_text()) is cold
+
+
+def short_assistant(tmp_path) -> Path:
+    """A transformers model that cannot take a long prompt: GPT-2's learned positions, 64 of
+    them (a prompt past them is an IndexError in its position embedding), over the tiny pair's
+    vocabulary and tokenizer, so that it can assist the tiny target on short prompts."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specd.models.tiny import save_tiny
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+    return save_tiny(tmp_path / "short-assistant", model=model)
+
+
+def test_a_peer_that_cannot_run_a_prompt_is_reported_and_the_run_goes_on(tiny_dirs, tmp_path, specd_cli):
+    """A peer that raises on one prompt (assisted generation whose assistant has 64 positions,
+    given a prompt of about 100 tokens) gets a record saying why; its row is over the prompts it
+    ran and counts the one it could not, and report.md says so. specd's own configurations and
+    the other peers run every prompt."""
+    dataset = tmp_path / "q.jsonl"
+    prompts = ["hello there", "summarize this: " + "the cat sat on the mat. " * 3, "count to five"]
+    dataset.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, dataset, out, "--policies", "oracle", "--baselines", "ar,hf-ar,hf-assisted")
+    argv[argv.index("--drafter") + 1] = "ngram"  # specd drafts without the short model: only the peer uses it
+    argv[argv.index("--draft-model") + 1] = str(short_assistant(tmp_path))
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    keys = ["0#t1", "1#t1", "2#t1"]
+    assert doc["prompts"][1]["prompt_tokens"] > 64 > doc["prompts"][0]["prompt_tokens"] + 8
+    for label in ("ar", "ngram/oracle", "hf-ar"):
+        assert [r["prompt"] for r in doc["records"][label]] == keys
+        assert not any(r.get("failed") for r in doc["records"][label])
+        assert doc["aggregates"][label]["runs"] == 3 and doc["aggregates"][label]["failed_runs"] == 0
+    records = doc["records"]["hf-assisted"]
+    assert [r["prompt"] for r in records] == keys  # the failed run keeps its place: pairs stay aligned
+    failed = records[1]
+    assert failed["failed"].startswith("IndexError: index out of range") and "\n" not in failed["failed"]
+    assert "new_tokens" not in failed and "tokens_per_s" not in failed
+    assert not records[0].get("failed") and not records[2].get("failed")
+    agg = doc["aggregates"]["hf-assisted"]
+    assert agg["runs"] == 2 and agg["failed_runs"] == 1 and agg["failed_prompts"] == ["1#t1"]
+    assert agg["errors"] == {failed["failed"]: 1}
+    assert agg["new_tokens"] == records[0]["new_tokens"] + records[2]["new_tokens"]
+    assert agg["wall_time_s"] == pytest.approx(records[0]["wall_time_s"] + records[2]["wall_time_s"])
+    ar = doc["records"]["ar"]
+    assert agg["speedup"]["per_run"] == pytest.approx([records[i]["tokens_per_s"] / ar[i]["tokens_per_s"]
+                                                       for i in (0, 2)])
+    ar_tps = (ar[0]["new_tokens"] + ar[2]["new_tokens"]) / (ar[0]["wall_time_s"] + ar[2]["wall_time_s"])
+    assert agg["speedup"]["ratio_of_sums"] == pytest.approx(agg["tokens_per_s"] / ar_tps)  # against ar on the same 2
+    assert agg["identical"] is True  # over the prompts it ran
+    report = (out / "report.md").read_text()
+    assert "hf-assisted: 1 of 3 prompts failed (1#t1): IndexError: index out of range in self" in report
+    assert "| hf-assisted |" in report and "| hf-ar |" in report
+    assert "hf-assisted failed on 1#t1: IndexError" in err  # said as it happened, too
+
+
+def test_specd_itself_failing_still_ends_the_run(tiny_dirs, tmp_path, specd_cli):
+    """Only peers are caught: the same short model as specd's own drafter fails the run loudly."""
+    dataset = tmp_path / "q.jsonl"
+    prompts = ["hello there", "summarize this: " + "the cat sat on the mat. " * 3]  # the second in the timed runs
+    dataset.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    argv = bench_args(tiny_dirs, dataset, tmp_path / "out", "--policies", "constant", "--baselines", "ar,hf-ar")
+    argv[argv.index("--draft-model") + 1] = str(short_assistant(tmp_path))
+    with pytest.raises(IndexError) as raised:
+        specd_cli(argv)
+    assert any(frame.name == "run_all" for frame in raised.traceback)  # timed hf/constant, not caught
+    assert not (tmp_path / "out" / "results.json").exists()

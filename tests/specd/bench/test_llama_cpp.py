@@ -35,3 +35,16 @@ def test_with_the_extra_only_the_embedded_gguf_target_is_a_peer(monkeypatch, tin
     monkeypatch.setattr(llama_cpp, "available", lambda: True)
     assert "embedded GGUF target only" in llama_cpp.skip_reason(tiny_target)
     assert skip_reason("hf-ar", None, tiny_target) is None  # the transformers peers are unaffected
+
+
+def test_the_context_fits_the_prompt_and_its_answer_up_to_the_targets():
+    """A long prompt gets a context it fits in (the peer is loaded again, larger), never past the
+    target's own; a prompt that leaves no room to generate is refused in one clear line."""
+    size = llama_cpp.context_size
+    assert size(635, 256, 8192) == llama_cpp.CONTEXT  # the issue's summarization prompt fits the default
+    assert size(3900, 256, 8192) == 5120  # 4156 tokens: rounded up to CONTEXT_STEP
+    assert size(10, 8, 8192, loaded=5120) == 5120  # a loaded larger context is kept
+    assert size(8000, 256, 8192) == 8192  # capped at the target's: the run stops at its end, as specd's
+    assert size(100, 8, 512) == 512
+    with pytest.raises(ValueError, match="the prompt is 512 tokens; the target's context is 512"):
+        size(512, 8, 512)

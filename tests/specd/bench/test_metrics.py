@@ -98,3 +98,31 @@ def test_entropy_bins_split_by_outcome():
     bins = entropy_bins([0.0, 0.3, 0.3, 7.0], [True, True, False, False])
     assert bins["accepted"][0] == 1 and bins["accepted"][2] == 1 and bins["rejected"][2] == 1
     assert bins["rejected"][-1] == 1 and len(bins["accepted"]) == len(ENTROPY_EDGES) - 1
+
+
+def test_failed_runs_are_left_out_of_the_figures_and_counted():
+    """A peer's failed record (no numbers) keeps its place; the aggregate, the speedups and the
+    contention summary are over the runs that completed, against `ar` on those same prompts."""
+    from specd.bench.contention import summarize
+    from specd.bench.metrics import failed_record
+
+    def run(key, n, wall, share=0.0):
+        return {"prompt": key, "repeat": 0, "new_tokens": n, "wall_time_s": wall, "tokens_per_s": n / wall,
+                "identical": True, "foreign_share": share, "foreign_cpu_s": share}
+
+    base = [run("0#t1", 10, 1.0), run("1#t1", 10, 2.0), run("2#t1", 20, 1.0, share=0.5)]
+    error = failed_record(ValueError("could not broadcast input array\nfrom shape (6045696,) into shape (0,)"))
+    assert error == {"failed": "ValueError: could not broadcast input array from shape (6045696,) into shape (0,)"}
+    peer = [run("0#t1", 10, 0.5), {"prompt": "1#t1", "repeat": 0, **error, "foreign_share": 0.0,
+                                   "foreign_cpu_s": 0.0}, run("2#t1", 20, 0.25)]
+    agg = aggregate(peer, base)
+    assert (agg["runs"], agg["failed_runs"], agg["failed_prompts"]) == (2, 1, ["1#t1"])
+    assert agg["errors"] == {error["failed"]: 1}
+    assert agg["new_tokens"] == 30 and agg["wall_time_s"] == pytest.approx(0.75) and agg["identical"] is True
+    assert agg["speedup"]["per_run"] == [2.0, 4.0]
+    assert agg["speedup"]["ratio_of_sums"] == pytest.approx((30 / 0.75) / (30 / 2.0))  # ar's prompts 0 and 2
+    assert aggregate(base, base)["failed_runs"] == 0 and aggregate([peer[1]], [base[1]])["runs"] == 0
+    assert len(failed_record(RuntimeError("x" * 500))["failed"]) == 200
+    c = summarize({"ar": base, "peer": peer}, "ar")  # prompt 2 disturbed: left out, with the failed one
+    assert [d["prompt"] for d in c["disturbed"]] == ["2#t1"]
+    assert c["undisturbed"]["peer"]["median"] == 2.0  # prompt 0 alone
