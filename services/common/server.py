@@ -171,11 +171,9 @@ async def serve_until_signal(name: str, server: grpc.aio.Server, port: int, regi
     """The tail of every gRPC process: export registry at /metrics on metrics_port, say where
     both listen, and serve until SIGINT or SIGTERM (then drain for up to grace_s)."""
     from services.common.metrics import serve_metrics
-    from services.common.startup import freeze_heap
 
     _, bound = serve_metrics(registry, host, metrics_port)
     print(f"specd {name} listening on {host}:{port} (metrics: http://{host}:{bound}/metrics)", flush=True)
-    freeze_heap()  # loaded: a full collection walks only what serving allocates
     await run_until_signal(server, grace_s)
 
 

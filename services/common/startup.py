@@ -6,7 +6,6 @@ Unavailable (the process then exits non-zero)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,16 +13,6 @@ from collections.abc import Awaitable, Callable
 from specd.errors import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
-
-def freeze_heap() -> None:
-    """Once a process has loaded what it keeps (modules, models), move those objects out of the
-    garbage collector's reach (gc.freeze): a full collection then walks only what serving
-    allocates. Without it, one full collection set off by a large request body walked every
-    object of the process and held the GIL, and every stream, for a third of a second
-    (docs/bench/hostile-clients-epyc)."""
-    gc.collect()
-    gc.freeze()
-
 
 FIRST_DELAY_S = 0.25
 MAX_DELAY_S = 5.0

@@ -112,7 +112,7 @@ def uvicorn_config(app, s: GatewaySettings, **kwargs):
 
 async def serve(s: GatewaySettings) -> None:
     from services.common.metrics import new_registry
-    from services.common.startup import freeze_heap, retry_until_connected
+    from services.common.startup import retry_until_connected
     from services.gateway import auth
     from services.gateway.app import create_app
     from services.gateway.lifecycle import DrainingServer
@@ -144,7 +144,6 @@ async def serve(s: GatewaySettings) -> None:
 
     connecting.add_done_callback(connected)
     print(f"specd gateway listening on http://{s.host}:{s.port}", flush=True)
-    freeze_heap()  # loaded: a full collection walks only what serving allocates (a large body's)
     try:
         await server.serve()
     finally:
