@@ -24,6 +24,7 @@ shipped PromQL uses no other.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable
 
@@ -47,6 +48,11 @@ TOKEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
 MAX_LABELLED_POSITION = 16  # draft positions past this share the label "17+" (bounded cardinality)
 MAX_LABELLED_WINDOW = 16
 
+
+def opaque_label(prefix: str, text: str) -> str:
+    """A label value that names `text` without showing it (/metrics is open on the API port):
+    `prefix` and 12 hex digits of its SHA-256, the same in every process."""
+    return prefix + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 def new_registry() -> CollectorRegistry:
     """A registry with the process collector (CPU seconds, resident memory, open fds)."""

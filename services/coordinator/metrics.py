@@ -59,7 +59,6 @@ seconds, so it says how much sooner each answer arrives, not how many more reque
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -72,6 +71,7 @@ from services.common.metrics import (
     TOKEN_BUCKETS,
     active_sessions,
     count_label,
+    opaque_label,
 )
 from services.coordinator.api import Event, FinishEvent, GenerateRequest, TokenEvent
 from services.coordinator.loop import FALLBACK_KINDS
@@ -79,13 +79,12 @@ from specd.errors import InvalidRequest, Unavailable
 from specd.policies import NO_SPECULATION, POLICIES
 
 LABELS = ["model", "policy", "drafter"]
+
+
 def tag_label(task_tag: str) -> str:
     """The `task_tag` label of a tag: "default" as it is, any other (chosen by clients, scoped to
-    their key by the gateway) "t" and 12 hex digits of its SHA-256, so that /metrics shows no
-    client's text. An operator finds a known tag's series by its label: tag_label(tag)."""
-    if task_tag == "default":
-        return task_tag
-    return "t" + hashlib.sha256(task_tag.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    their key by the gateway) opaque_label("t", tag), so that /metrics shows no client's text."""
+    return task_tag if task_tag == "default" else opaque_label("t", task_tag)
 
 
 MAX_TASK_TAGS = 64  # distinct task tags given series of their own; later ones share "other"

@@ -77,8 +77,8 @@ class Admission:
     Between API keys (docs/deploy.md, "Security"): a key without a concurrency limit of its own
     holds at most `per_key` generations here (0: no cap), and the last `reserve` of the slots go
     only to keys holding less than a fair share (the slots over the keys in flight and one
-    more), so that a key arriving at a gateway another key fills still gets in. Both refusals are the key's: 429
-    and Retry-After. Requests without a key (an open API) share one count."""
+    more), so that a key arriving at a gateway another key fills still gets in. Both refusals
+    are the key's: 429 and Retry-After. Requests without a key (an open API) share one count."""
 
     def __init__(self, limit: int = 0, per_key: int = 0, reserve: float = 0.125):
         self.limit, self.per_key, self.in_flight = limit, per_key, 0
@@ -117,15 +117,17 @@ class Admission:
     def _check_share(self, key: str, own_limit: int) -> None:
         held = self.by_key.get(key, 0)
         if self.per_key and not own_limit and held >= self.per_key:
-            raise errors.RateLimited(f"this API key has {held} requests in flight on this gateway, its limit of "
-                              f"{self.per_key}; retry when one finishes", "concurrent",
-                              {"Retry-After": errors.RETRY_AFTER_S})
+            raise _key_refusal(f"this API key has {held} requests in flight on this gateway, its limit of "
+                               f"{self.per_key}")
         if self.limit and self.limit - self.in_flight <= self.reserve:
             fair = math.ceil(self.limit / (len(self.by_key) + 1))  # a share kept for one more key
             if held >= fair:
-                raise errors.RateLimited(f"the gateway is nearly full and this API key holds {held} of its "
-                                  f"{self.limit} slots, its fair share; retry when one finishes", "concurrent",
-                                  {"Retry-After": errors.RETRY_AFTER_S})
+                raise _key_refusal(f"the gateway is nearly full and this API key holds {held} of its "
+                                   f"{self.limit} slots, its fair share")
+
+
+def _key_refusal(why: str) -> errors.RateLimited:
+    return errors.RateLimited(f"{why}; retry when one finishes", "concurrent", {"Retry-After": errors.RETRY_AFTER_S})
 
 
 def _py_decoder() -> json.JSONDecoder:

@@ -25,7 +25,6 @@ PromQL: the error ratio, and p95 latency per route
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 from prometheus_client import (
@@ -37,7 +36,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.metrics import LATENCY_BUCKETS, active_sessions, new_registry
+from services.common.metrics import LATENCY_BUCKETS, active_sessions, new_registry, opaque_label
 
 UNMATCHED = "unmatched"  # route label of requests no route matched (bounded cardinality)
 MAX_KEY_LABELS = 100  # API key names that get a label of their own; later ones share "other"
@@ -46,7 +45,7 @@ OTHER_KEYS = "other"
 
 def key_label(name: str) -> str:
     """The opaque `key` label of a key name: "k" and 12 hex digits of its SHA-256."""
-    return "k" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return opaque_label("k", name)
 
 
 class GatewayMetrics:

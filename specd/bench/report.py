@@ -6,32 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import sys
 from pathlib import Path
-
-import torch
 
 from specd.bench.configs import BASELINE
 from specd.bench.contention import summarize as contention_summary
 from specd.bench.datasets import dataset_label
 from specd.bench.metrics import aggregate
 from specd.bench.peers import sklearn_available
-from specd.costs import cpu_model, provenance
+from specd.costs import provenance
 from specd.models.kernels import kernels_of
 
 
 def machine_info(target) -> dict:
     """Where a benchmark ran: the commit, CPU and its instruction sets, cores, threads, the
     target's device, dtype and linear kernels, versions (specd.costs.provenance)."""
-    import transformers
-
-    return {**provenance(), "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
+    return {**provenance(), "device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
             "linear_kernels": kernels_of(target.model), "forward": forward_label(target),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "sklearn_available": sklearn_available()}
+            "sklearn_available": sklearn_available()}
 
 
 def forward_label(target) -> str:
