@@ -5,8 +5,9 @@ goals of docs/deploy.md "Security":
 1. bodies: one client streams a greedy answer while another posts 4 MiB bodies of one-character
    messages (each a 400). Arms alternate (quiet, hostile, quiet, ...), each warmed: the stream's
    largest gap between chunks and /health's latency, quiet against hostile.
-2. readers: 16 streams whose clients stop reading (a 4 KiB receive buffer, nothing read), then a
-   normal request: is it served, and when do the 16 free the target's KV slots?
+2. readers: 16 streams of one API key whose clients stop reading (a 4 KiB receive buffer,
+   nothing read), then a normal request of another key: is it served, and when do the 16 free
+   the target's KV slots? The gateway runs with two static keys for this (`specd up` is open).
 
     python scripts/hostile_clients.py --out docs/bench/hostile-clients-epyc
 """
@@ -30,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specd.costs import provenance  # noqa: E402
 from services.cli import _plan, _stop, start_stack  # noqa: E402
+from services.common.settings import GatewaySettings  # noqa: E402
 from specd.cli import build_parser  # noqa: E402
 
 CHAT = "/v1/chat/completions"
+HOSTILE_KEY, NORMAL_KEY = "sk-hostile-0000", "sk-normal-0000"
 STREAM = {"messages": [{"role": "user", "content": "Write a short story about a lighthouse."}],
           "max_tokens": 96, "temperature": 0, "stream": True}
 
@@ -43,10 +46,14 @@ def hostile_body(target_bytes: int) -> bytes:
     return b'{"model":"specd","messages":[' + one * (n - 1) + one[:-1] + b'],"max_tokens":4}'
 
 
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def stream_gaps(url: str) -> list[float]:
     """Seconds between successive chunks of one streamed answer (after the first)."""
     gaps, last = [], None
-    with httpx.stream("POST", url + CHAT, json=STREAM, timeout=120) as r:
+    with httpx.stream("POST", url + CHAT, json=STREAM, headers=auth(NORMAL_KEY), timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -72,7 +79,8 @@ def hostile(url: str, body: bytes, count: int, stop: threading.Event, codes: lis
         for _ in range(count):
             if stop.is_set():
                 return
-            codes.append(c.post(url + CHAT, content=body, headers={"content-type": "application/json"}).status_code)
+            codes.append(c.post(url + CHAT, content=body,
+                                headers={"content-type": "application/json", **auth(HOSTILE_KEY)}).status_code)
 
 
 def arm(url: str, body: bytes | None) -> dict:
@@ -104,17 +112,18 @@ def stalled_stream(port: int, max_tokens: int) -> socket.socket:
     s.connect(("127.0.0.1", port))
     body = json.dumps({**STREAM, "max_tokens": max_tokens}).encode()
     s.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+              b"Authorization: Bearer " + HOSTILE_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return s
 
 
-def readers(url: str, port: int, metrics_url: str, n: int, timeout_s: float) -> dict:
-    socks = [stalled_stream(port, 400) for _ in range(n)]
+def readers(url: str, port: int, metrics_url: str, n: int, timeout_s: float, max_tokens: int) -> dict:
+    socks = [stalled_stream(port, max_tokens) for _ in range(n)]
     t0 = time.perf_counter()
     time.sleep(1.0)
     held = kv_in_use(metrics_url)
     r0 = time.perf_counter()
-    normal = httpx.post(url + CHAT, json={**STREAM, "stream": False, "max_tokens": 16}, timeout=300)
+    normal = httpx.post(url + CHAT, json={**STREAM, "stream": False, "max_tokens": 16}, headers=auth(NORMAL_KEY),
+                        timeout=300)
     normal_s = time.perf_counter() - r0
     trace = []
     while time.perf_counter() - t0 < timeout_s + 120:
@@ -135,10 +144,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3, help="quiet/hostile pairs")
     ap.add_argument("--no-readers", action="store_true", help="measure the bodies only")
-    ap.add_argument("--send-timeout", type=float, default=10.0, help="the gateway's stream_send_timeout_s")
+    ap.add_argument("--send-timeout", type=float, default=GatewaySettings().stream_send_timeout_s,
+                    help="the gateway's stream_send_timeout_s (default: its default)")
+    ap.add_argument("--reader-tokens", type=int, default=1000, help="max_tokens of each stalled stream")
     args = ap.parse_args()
     os.environ["SPECD_GATEWAY_STREAM_SEND_TIMEOUT_S"] = str(args.send_timeout)
+    os.environ["SPECD_GATEWAY_API_KEYS"] = f"{HOSTILE_KEY},{NORMAL_KEY}"
     plan = _plan(build_parser().parse_args(["up", "--port", "0"]))
+    gateway_flags = plan[-1][1]
+    gateway_flags[gateway_flags.index("--auth") + 1] = "required"  # the two keys above
     procs: dict = {}
     log_dir = Path(tempfile.mkdtemp(prefix="specd-hostile-"))
     try:
@@ -162,7 +176,8 @@ def main() -> int:
             "hostile_health_max_s": max(a["health_max_s"] for a in loud),
             "body_bytes": len(body),
         }
-        stalled = {} if args.no_readers else readers(url, port, metrics_url, 16, args.send_timeout)
+        stalled = {} if args.no_readers else readers(url, port, metrics_url, 16, args.send_timeout,
+                                                     args.reader_tokens)
         doc = {"question": __doc__.splitlines()[0], "provenance": provenance(), "command": " ".join(sys.argv),
                "send_timeout_s": args.send_timeout, "summary": summary, "arms": arms, "stalled_readers": stalled}
         args.out.mkdir(parents=True, exist_ok=True)

@@ -171,6 +171,12 @@ class TargetSettings(ModelSettings):
                                                   "on the CPU, of available RAM) the KV pool may take: "
                                                   "it holds fewer than kv_slots sessions where they would "
                                                   "not fit, and start-up fails where not one fits")
+    kv_fair_share_reserve: float = Field(0.125, ge=0.0, le=1.0,
+                                         description="share of the KV pool's slots kept for tenants (the "
+                                                     "gateway's API keys) holding less than a fair share, the "
+                                                     "slots over the tenants with open sessions plus one: once "
+                                                     "only these are free, a tenant holding its share is "
+                                                     "refused (RESOURCE_EXHAUSTED). 0: first come, first served")
     kv_max_len: int = Field(4608, ge=2, le=1 << 20,
                             description="positions (prompt and answer) of one KV slot, at most the model's "
                                         "context")
@@ -264,9 +270,10 @@ class GatewaySettings(ServiceSettings, SecurityFields):
     max_concurrent_parses: int = Field(4, ge=1, le=1024,
                                        description="large request bodies parsed and validated at once, off the "
                                                    "event loop; one more is refused with 503 and Retry-After")
-    stream_send_timeout_s: float = Field(30.0, gt=0, le=86400,
-                                         description="a streaming client that accepts no chunk for this long is "
-                                                     "cut off: its generation is cancelled, its slots freed")
+    stream_send_timeout_s: float = Field(15.0, gt=0, le=86400,
+                                         description="a streaming client that takes no byte for this long (a "
+                                                     "send waits, or bytes wait in the connection's buffers) is "
+                                                     "cut off: its generation is cancelled, its KV slot freed")
     limit_concurrency: int = Field(1024, ge=0, le=1 << 20,
                                    description="open connections (or requests) beyond which uvicorn answers 503 "
                                                "(0: no limit)")

@@ -21,6 +21,7 @@ from specd.types import SamplingParams, SpecParams, check_text
 MAX_PROMPT_CHARS = 1 << 20
 MAX_MESSAGES = 1024
 MAX_ROLE_CHARS = 32
+MAX_TENANT_CHARS = 64
 # Drafts a request may ask a window to hold (CoordinatorSettings.max_draft_tokens): target work
 # per emitted token grows with it, and 256 dense q's of a 152k vocabulary pass gRPC's 64 MiB.
 # Refused above it rather than clamped: the request asked for something this service does not do.
@@ -35,6 +36,9 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()
     spec: SpecParams = SpecParams()  # policy "none" decodes with the target alone
     overlap: bool | None = None  # PEARL overlap; None = the coordinator's setting
+    # Who the request is for, as an opaque name (the gateway's label of the API key; "": one
+    # shared tenant): the target keeps part of its KV slots for tenants below their fair share.
+    tenant: str = ""
 
     def validate(self, max_new_tokens_limit: int = 1 << 20,
                  max_draft_tokens_limit: int = MAX_REQUEST_DRAFT_TOKENS) -> None:
@@ -58,6 +62,9 @@ class GenerateRequest:
             chars = sum(len(m["content"]) for m in self.messages)
             if chars > MAX_PROMPT_CHARS:
                 raise InvalidRequest("messages", f"at most {MAX_PROMPT_CHARS} characters in all, got {chars}")
+        if len(self.tenant) > MAX_TENANT_CHARS:
+            raise InvalidRequest("tenant", f"at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
+        check_text("tenant", self.tenant)
         if self.prompt_ids is not None and len(self.prompt_ids) > MAX_PROMPT_CHARS:
             raise InvalidRequest("prompt_ids", f"at most {MAX_PROMPT_CHARS} tokens, got {len(self.prompt_ids)}")
         self.sampling.validate(max_new_tokens_limit)

@@ -29,7 +29,7 @@ def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> Generate
         if kind == "messages" else None,
         prompt_ids=tuple(msg.prompt_ids.ids) if kind == "prompt_ids" else None,
         sampling=sampling_from_proto(msg.sampling, msg.max_new_tokens, tuple(msg.stop)),
-        spec=spec, overlap=sp.overlap if sp.HasField("overlap") else None)
+        spec=spec, overlap=sp.overlap if sp.HasField("overlap") else None, tenant=msg.tenant)
 
 
 def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
@@ -42,7 +42,7 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
     if s.branches is not None:
         sp.branches = s.branches
     msg = pb.GenerateRequest(sampling=sampling_to_proto(r.sampling), max_new_tokens=r.sampling.max_new_tokens,
-                             stop=list(r.sampling.stop), speculative=sp)
+                             stop=list(r.sampling.stop), speculative=sp, tenant=r.tenant)
     if r.prompt_ids is not None:
         msg.prompt_ids.ids.extend(r.prompt_ids)
     elif r.messages is not None:

@@ -248,7 +248,7 @@ class Coordinator:
             prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
             min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
             info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None,
-            plain_runs=self.plain_runs)
+            plain_runs=self.plain_runs, tenant=request.tenant)
 
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))

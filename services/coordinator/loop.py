@@ -114,6 +114,7 @@ class LoopConfig:
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
     plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
     drafts_on_target: bool = False  # the target drafts the windows itself, run by run (no draft service)
+    tenant: str = ""  # who the request is for (GenerateRequest.tenant): the target's fair share of KV slots
 
 
 def settled_status(call) -> tuple[grpc.StatusCode, str]:
@@ -235,7 +236,7 @@ class RequestLoop:
         spec = cfg.spec
         self._watch_target(self.target_stub.Session(timeout=cfg.timeout_s))
         open_msg = target_pb2.OpenTarget(prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling),
-                                         features=cfg.features)
+                                         features=cfg.features, tenant=cfg.tenant)
         if cfg.drafts_on_target:
             open_msg.speculate.CopyFrom(target_pb2.LocalDrafting(
                 policy=spec.policy, policy_params=spec.policy_params, policy_state=cfg.policy_state,

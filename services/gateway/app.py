@@ -4,12 +4,14 @@ Routes only translate: JSON -> GenerateRequest (convert) -> backend.generate -> 
 Server-Sent Events. Errors are raised, never handled here; `errors.install` maps them.
 
 Bodies over PARSE_OFF_LOOP_BYTES are parsed and validated in a worker thread by a pure-Python
-JSON scanner, which yields the GIL as it goes (the C one holds it for the whole body), at most
-max_concurrent_parses at a time (one more: 503 and Retry-After): a large hostile body then
-delays no other client's stream or /health.
+JSON scanner, which yields the GIL as it goes (the C one holds it for the whole body) and stops
+at a list longer than any field may hold (json_scan), at most max_concurrent_parses at a time
+(one more: 503 and Retry-After): a large hostile body then delays no other client's stream or
+/health.
 
-A stream whose client accepts no chunk for stream_send_timeout_s (it stopped reading) is ended
-as a disconnect is: the backend iterator is closed and the admission and lease released.
+A stream whose client takes nothing for stream_send_timeout_s (it stopped reading: a send
+waits, or its bytes wait in the connection's buffers, services.gateway.reader) is ended as a
+disconnect is: the backend iterator is closed and the admission and lease released.
 
 Two rules keep streams honest:
 - the first backend event is awaited before any response starts, so a bad parameter (which
@@ -23,10 +25,9 @@ Two rules keep streams honest:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.message
 import json
-import json.decoder
-import json.scanner
 import logging
 import math
 import time
@@ -47,13 +48,15 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.coordinator.api import Backend, Event, FinishEvent
-from services.gateway import convert, errors
+from services.gateway import convert, errors, json_scan
 from services.gateway.auth import Auth, KeyedRoute
 from services.gateway.body_limit import BodyLimit
 from services.gateway.keys import KeyRing
 from services.gateway.limits import Limiter
-from services.gateway.metrics import GatewayMetrics, RequestCounter
+from services.gateway.metrics import GatewayMetrics, RequestCounter, key_label
+from services.gateway.reader import ReaderWatch
 from services.gateway.schemas import (
+    MAX_MESSAGES,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -67,6 +70,7 @@ from specd.errors import Overloaded, Unavailable
 log = logging.getLogger(__name__)
 
 PARSE_OFF_LOOP_BYTES = 64 << 10  # smaller bodies parse on the loop in well under a millisecond
+MAX_BODY_ITEMS = MAX_MESSAGES  # the longest list or object any field of a request may hold
 
 class Admission:
     """At most `limit` generations in flight on this gateway (0: no limit); one more is refused
@@ -130,21 +134,15 @@ def _key_refusal(why: str) -> errors.RateLimited:
     return errors.RateLimited(f"{why}; retry when one finishes", "concurrent", {"Retry-After": errors.RETRY_AFTER_S})
 
 
-def _py_decoder() -> json.JSONDecoder:
-    """json.loads' own grammar (NaN, lone surrogates: as FastAPI reads a body) through the
-    pure-Python scanner, so that a thread parsing a large body lets the event loop run."""
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)
-    return decoder
-
-
-_DECODER = _py_decoder()
-
-
 def _validate(model: type[BaseModel], body: bytes) -> BaseModel | Exception:
-    """The request model of body, or the error FastAPI itself would raise for it."""
+    """The request model of body, or the error FastAPI itself would raise for it; a list or
+    object longer than any a request holds stops the parse there (json_scan)."""
     try:
-        obj = _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+        obj = json_scan.decode(body.decode(json.detect_encoding(body), "surrogatepass"), MAX_BODY_ITEMS)
+    except json_scan.TooManyItems as e:
+        if not e.path:
+            return HTTPException(400, f"the request body: {e}")
+        return RequestValidationError([{"type": "too_long", "loc": ("body", *e.path), "msg": str(e), "input": None}])
     except json.JSONDecodeError as e:
         return RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                         "input": {}, "ctx": {"error": e.msg}}])
@@ -220,7 +218,7 @@ class Gateway:
     started: int  # unix time, the models' `created`
     admission: Admission = field(default_factory=Admission)
     parser: BodyParser = field(default_factory=lambda: BodyParser(4))
-    stream_send_timeout_s: float = 30.0
+    stream_send_timeout_s: float = 15.0
 
 
 def _gateway(request: Request) -> Gateway:
@@ -293,6 +291,8 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
         lease = await gw.auth.admit(request, gen.sampling.max_new_tokens, release)
         release = lease.close
         gen = await gw.auth.scope_task_tag(request, gen)  # the key's own tags, capped (after admission)
+        if record is not None:  # the target's fair share of KV slots is kept per key
+            gen = dataclasses.replace(gen, tenant=key_label(record.name))
         events = gw.backend.generate(gen)
         try:
             first = await anext(events)  # a bad request raises here, before any byte is sent
@@ -376,13 +376,15 @@ async def _aclose(events: AsyncIterator[Event]) -> None:
 
 
 class SendTimeout(Exception):
-    """The client accepted no chunk within the stream's send timeout."""
+    """The client took nothing within the stream's send timeout."""
 
 
 class EventStream(StreamingResponse):
     """A Server-Sent Events response that closes its body iterator (and so the backend's)
-    whenever the response ends, however it ends; one whose client accepts no chunk for
-    send_timeout_s ends there (the ASGI server then drops the connection)."""
+    whenever the response ends, however it ends. One whose client takes nothing for
+    send_timeout_s ends there (the ASGI server then drops the connection): a send that waits
+    that long, or bytes that wait that long in the connection's buffers with none taken
+    (services.gateway.reader), as they do for a client that stopped reading."""
 
     media_type = "text/event-stream"
 
@@ -392,17 +394,23 @@ class EventStream(StreamingResponse):
         self.on_close, self.send_timeout_s = on_close, send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = ReaderWatch.of(scope, self.send_timeout_s)
+
         async def timed_send(message) -> None:
+            if watch is not None and watch.stalled():
+                raise SendTimeout()
             with anyio.move_on_after(self.send_timeout_s) as timer:
                 await send(message)
             if timer.cancelled_caught:
                 raise SendTimeout()
+            if watch is not None:
+                watch.wrote()
 
         try:
             try:
                 await super().__call__(scope, receive, send if self.send_timeout_s is None else timed_send)
             except* SendTimeout:
-                log.warning("ended a stream whose client accepted nothing for %s s", self.send_timeout_s)
+                log.warning("ended a stream whose client took nothing for %s s", self.send_timeout_s)
         finally:
             try:
                 with anyio.CancelScope(shield=True):
@@ -417,7 +425,7 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
                api_keys: frozenset[str] = frozenset(), registry: CollectorRegistry | None = None,
                max_concurrent_requests: int = 0, max_body_bytes: int = 4 << 20, keys: KeyRing | None = None,
                limiter: Limiter | None = None, max_concurrent_parses: int = 4,
-               stream_send_timeout_s: float = 30.0, max_concurrent_per_key: int = 0,
+               stream_send_timeout_s: float = 15.0, max_concurrent_per_key: int = 0,
                fair_share_reserve: float = 0.125) -> FastAPI:
     """The gateway over `backend`. max_concurrent_requests: generations in flight beyond which
     a request is refused at once (503, Retry-After; 0: no limit). max_body_bytes: a larger
@@ -426,7 +434,7 @@ def create_app(backend: Backend, *, max_tokens_limit: int = 4096, default_policy
     is read, and each key's limits apply (limiter: shared by replicas through Redis; default: this
     process's memory); without either the API is open. /health and /metrics stay open for probes
     and Prometheus. max_concurrent_parses: large bodies parsed at once (off the loop);
-    stream_send_timeout_s: a stream whose client accepts nothing this long is ended.
+    stream_send_timeout_s: a stream whose client takes nothing this long is ended.
     max_concurrent_per_key, fair_share_reserve: the share of one key (Admission). /metrics serves
     `registry` (an in-process coordinator's series go there too), a new one by default."""
     app = FastAPI(title="specd gateway", version=__version__,

@@ -53,12 +53,21 @@ def read_timeout_protocol(timeout_s: float) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    from services.gateway.reader import TRANSPORT
+
     class ReadTimeoutH11Protocol(H11Protocol):
         _read_timer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
+            app = self.app
+
+            async def with_transport(scope, receive, send):  # a stream watches its reader (reader.py)
+                scope.setdefault("extensions", {})[TRANSPORT] = transport
+                await app(scope, receive, send)
+
+            self.app = with_transport
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)

@@ -30,7 +30,8 @@ def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None
         drafter = build_drafter(s.drafter, target, datastore=s.datastore)
     return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
                           executor=executor, latency_budget=s.latency_budget, drafter=drafter,
-                          max_window_tokens=s.max_window_tokens, idle_timeout_s=s.idle_timeout_s)
+                          max_window_tokens=s.max_window_tokens, idle_timeout_s=s.idle_timeout_s,
+                          fair_share_reserve=s.kv_fair_share_reserve)
 
 
 def load_target(s: TargetSettings):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,7 @@ MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
 # 64 MiB limit). The largest default cap of a policy is svip's 40.
 MAX_WINDOW_TOKENS = 64
 IDLE_TIMEOUT_S = 60.0  # a session that sends nothing this long is ended and its KV slot freed
+FAIR_SHARE_RESERVE = 0.125  # of the KV slots, kept for tenants below their fair share
 Q_SUM_SLACK = 1e-3  # a dense q sums to 1 within float32 round-off over a large vocabulary
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -51,7 +53,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, target: LoadedModel, max_batch_size: int = 8, registry: CollectorRegistry | None = None,
                  prefill_chunk: int = 0, gather: float = 0.5, executor: ThreadPoolExecutor | None = None,
                  latency_budget: float = 0.0, drafter: Drafter | None = None,
-                 max_window_tokens: int = MAX_WINDOW_TOKENS, idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 max_window_tokens: int = MAX_WINDOW_TOKENS, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 fair_share_reserve: float = FAIR_SHARE_RESERVE):
         """executor: the compute thread (services.common.compute), one model, one thread.
         latency_budget: refuse new sessions while the open ones see more than this many one-token
         forwards per token, or beyond the sessions the cost surface allows within it (0: neither;
@@ -59,9 +62,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         drafter: a lookup drafter (ngram, retrieval) sessions may draft with here (OpenTarget.speculate).
         max_window_tokens: draft tokens one Verify may bring (TargetSettings.max_window_tokens).
         idle_timeout_s: a session with no message this long ends with DEADLINE_EXCEEDED and frees
-        its KV slot (0: never; TargetSettings.idle_timeout_s)."""
+        its KV slot (0: never; TargetSettings.idle_timeout_s).
+        fair_share_reserve: the share of the KV pool's slots kept for tenants (OpenTarget.tenant)
+        holding less than a fair share of them (TargetSettings.kv_fair_share_reserve)."""
         self.target = target
         self.max_window_tokens, self.idle_timeout_s = max_window_tokens, idle_timeout_s
+        self.fair_share_reserve = fair_share_reserve
         self.drafter = drafter
         # Seconds per drafted token, for cost-aware policies drafting here.
         self.t_draft = measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3) if drafter else 0.0
@@ -136,7 +142,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
-            self._admit()
+            self._admit(first.open.tenant)
             session = await self._new_session(first.open)
         except Overloaded:
             self.metrics.observe_refused()
@@ -223,7 +229,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         was about to be free."""
         def new() -> TargetSession:
             return TargetSession(self.target, list(open_msg.prompt_ids), sampling_from_proto(open_msg.sampling),
-                                 open_msg.features)
+                                 open_msg.features, open_msg.tenant)
         try:
             return new()
         except Overloaded:
@@ -233,12 +239,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         await asyncio.wait(pending)
         return new()
 
-    def _admit(self) -> None:
-        """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) where the latency
-        budget says so: at the surface's cap, or while the open sessions' time per token is over
-        budget times a one-token forward alone (a reading older than TOKEN_TIME_FRESH_S is not
-        used: sessions that stopped asking, such as streams to slow readers, must not lock the
-        service)."""
+    def _admit(self, tenant: str) -> None:
+        """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) of a tenant
+        holding its fair share of the KV pool's slots once only the reserve is free (fair_share),
+        or where the latency budget says so: at the surface's cap, or while the open sessions'
+        time per token is over budget times a one-token forward alone (a reading older than
+        TOKEN_TIME_FRESH_S is not used: sessions that stopped asking, such as streams to slow
+        readers, must not lock the service)."""
+        pool = self.target.pool
+        if pool is not None:
+            refusal = fair_share(tenant, [s.tenant for s in self.sessions], pool.num_slots - pool.in_use(),
+                                 pool.num_slots, self.fair_share_reserve)
+            if refusal:
+                raise Overloaded(refusal)
         if not self.latency_budget or not self.sessions:
             return
         if len(self.sessions) >= self.max_sessions:
@@ -403,6 +416,24 @@ def check_distributions(q: torch.Tensor, drafts: list[int]) -> None:
         if not qx[i] > 0:
             raise InvalidRequest("distributions", f"distribution {i}: q(x) of its drafted token {drafts[i]} must "
                                                   f"be > 0 (it was drafted from q)")
+
+
+def fair_share(tenant: str, held_by: list[str], free: int, slots: int, reserve: float) -> str:
+    """Why a new session of `tenant` is refused ("": it is not) where the open sessions belong
+    to held_by and `free` of `slots` are free: the last ceil(reserve * slots) free slots go
+    only to a tenant holding less than a fair share, the slots over the tenants open plus one.
+    So one tenant that fills the pool (streams whose clients stopped reading, say) leaves room
+    for another. The empty tenant ("": no tenant named, an open gateway's requests) is never
+    refused here, and its sessions count as one tenant's."""
+    kept = math.ceil(reserve * slots)
+    if not tenant or not kept or free > kept or free <= 0:
+        return ""
+    held = held_by.count(tenant)
+    fair = math.ceil(slots / (len(set(held_by)) + 1))  # a share kept for one more tenant
+    if held < fair:
+        return ""
+    return (f"{free} of {slots} KV slots are free, kept for other tenants: this one holds {held}, "
+            f"its fair share")
 
 
 def plain_steps(msg: target_pb2.Verify, drafts_here: bool = False) -> int:

@@ -21,12 +21,14 @@ PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
 
 
 class TargetSession:
-    def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False):
+    def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False,
+                 tenant: str = ""):
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.kv = target.session()
+        self.tenant = tenant  # who the session is for (OpenTarget.tenant), for the KV pool's fair shares
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
         self.generator = request_generator(sampling, target.device)

@@ -254,6 +254,29 @@ def test_client_going_away_frees_both_sessions(target_service, hf_draft_service)
     assert hf_draft_service.servicer.active_sessions == 0
 
 
+def test_the_requests_tenant_reaches_the_targets_session(target_service, hf_draft_service):
+    """The gateway names each key's requests (GenerateRequest.tenant); the target keeps its
+    fair shares of KV slots by that name, so it must arrive there, through the proto too."""
+    from services.coordinator.convert import request_from_proto, request_to_proto
+
+    request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=300),
+                              spec=SpecParams("constant"), tenant="k0123456789ab")
+    assert request_from_proto(request_to_proto(request), "none").tenant == "k0123456789ab"
+
+    async def run():
+        coord = Coordinator(CoordinatorConfig(target_service.address, hf_draft_service.address),
+                            AsyncMemoryStateStore())
+        await coord.connect()
+        events = coord.generate(request)
+        await anext(events)
+        tenants = [s.tenant for s in target_service.servicer.sessions]
+        await events.aclose()
+        await coord.close()
+        return tenants
+
+    assert asyncio.run(run()) == ["k0123456789ab"]
+
+
 @pytest.mark.parametrize("spec, sampling, field", [
     (SpecParams("nope"), SamplingParams(), "policy"),
     (SpecParams("svip", policy_params={"h": -1.0}), SamplingParams(), "policy_params.h"),

@@ -9,6 +9,7 @@ import pytest
 from services.gateway import create_app
 from services.gateway.app import Admission
 from services.gateway.errors import RateLimited
+from services.gateway.metrics import key_label
 from specd.errors import Overloaded
 
 CHAT = "/v1/chat/completions"
@@ -71,3 +72,30 @@ def test_over_http_a_capped_key_gets_429_while_another_key_is_served(serve, loca
             release()
     assert chat("sk-one").status_code == 200
     assert admission.in_flight == 0 and admission.by_key == {}
+
+
+class Recording:
+    """The real in-process backend, keeping the requests the gateway sent it."""
+
+    def __init__(self, backend):
+        self.backend, self.requests = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def generate(self, request):
+        self.requests.append(request)
+        return self.backend.generate(request)
+
+
+def test_each_keys_requests_name_their_tenant_and_open_ones_name_none(serve, local_backend):
+    keyed = Recording(local_backend)
+    url = serve(create_app(keyed, api_keys=frozenset({"sk-one", "sk-two"})))
+    for key in ("sk-one", "sk-two"):
+        r = httpx.post(url + CHAT, json=HI, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [r.tenant for r in keyed.requests] == [key_label("key-1"), key_label("key-2")]
+    assert "sk-one" not in keyed.requests[0].tenant
+    open_ = Recording(local_backend)
+    r = httpx.post(serve(create_app(open_)) + CHAT, json=HI, timeout=30)
+    assert r.status_code == 200 and open_.requests[0].tenant == ""

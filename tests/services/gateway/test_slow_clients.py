@@ -120,12 +120,59 @@ def test_a_stream_whose_client_stops_reading_is_ended(run):
         stalled.close()
 
 
+class Trickling(Generating):
+    """A backend generating a few bytes per token, a token each 10 ms: an answer the
+    connection's buffers take for hours without a send that waits."""
+
+    async def generate(self, request):
+        try:
+            for _ in range(request.sampling.max_new_tokens):
+                yield TokenEvent((1,), "x")
+                await asyncio.sleep(0.01)
+            yield FinishEvent("length", 1, request.sampling.max_new_tokens)
+        finally:
+            self.closed += 1
+
+
+def test_a_stream_whose_unread_chunks_fit_in_the_buffers_is_ended_after_the_timeout(run):
+    backend = Trickling()
+    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=4, stream_send_timeout_s=1.0)
+    server = run(app)
+    admission = app.state.gateway.admission
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true, "max_tokens": %d}' % ENDLESS
+    stalled = _raw_request(server.port, body, rcvbuf=4096)  # then reads nothing
+    reader = _raw_request(server.port, body)  # reads everything
+    taken = []
+
+    def read() -> None:
+        try:
+            while data := reader.recv(65536):
+                taken.append(len(data))
+        except OSError:  # closed at the end
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert _wait(lambda: admission.in_flight == 2)
+        # The stalled one ends once its bytes wait 1 s, long before its buffers fill.
+        assert _wait(lambda: backend.closed == 1, 20), (admission.in_flight, backend.closed)
+        assert admission.in_flight == 1  # the one that reads is still streaming
+        before = sum(taken)
+        time.sleep(1.5)
+        assert sum(taken) > before and backend.closed == 1
+    finally:
+        stalled.close()
+        reader.close()
+
+
 def test_a_large_body_is_parsed_off_the_loop_a_bounded_number_at_a_time(run):
     app = create_app(Generating(), max_concurrent_parses=1)
     server = run(app)
     parser = app.state.gateway.parser
-    # 4 MiB of empty messages: a long parse; the 400 must name the field.
-    hostile = b'{"messages": [' + b",".join([b"{}"] * ((4 << 20) // 3 - 20)) + b"]}"
+    # 4 MiB of empty content parts, a list of at most 1,024 in each of 1,000 messages: a
+    # long parse (no list is over its cap until it is validated); the 400 must name the field.
+    message = b'{"role": "user", "content": [' + b",".join([b"{}"] * 1024) + b"]}"
+    hostile = b'{"messages": [' + b",".join([message] * 1000) + b"]}"
     assert len(hostile) <= 4 << 20
     answers: list[httpx.Response] = []
     first = threading.Thread(target=lambda: answers.append(
@@ -141,8 +188,14 @@ def test_a_large_body_is_parsed_off_the_loop_a_bounded_number_at_a_time(run):
     assert health.status_code == 200  # the loop answered while the parse ran
     assert second.status_code == 503 and second.headers["retry-after"]  # over the bound: refused at once
     error = answers[0].json()["error"]
-    assert answers[0].status_code == 400 and error["param"] == "messages", error
-    assert "at most 1024 messages" in error["message"]
+    assert answers[0].status_code == 400 and error["param"] == "messages.0.content", error
+    assert "text" in error["message"]
+    # A list over every cap stops the parse where it passes it: 4 MiB of 140,000 messages.
+    one = b'{"role":"user","content":"a"},'
+    many = b'{"messages":[' + one * ((4 << 20) // len(one) - 10) + one[:-1] + b']}'
+    r = httpx.post(server.url + CHAT, content=many, headers={"content-type": "application/json"}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and "at most 1024 items" in error["message"], error
     # A large valid body is parsed the same way and served.
     big = {"messages": [{"role": "user", "content": "y" * (200 << 10)}], "max_tokens": 2}
     r = httpx.post(server.url + CHAT, json=big, timeout=60)

@@ -18,7 +18,7 @@ from services.common.settings import TargetSettings
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
-from services.target.servicer import TargetServicer
+from services.target.servicer import TargetServicer, fair_share
 
 from tests.services.conftest import Service, eventually
 
@@ -36,9 +36,10 @@ def pooled_service(service_loop, chat_pair):
     svc.stop()
 
 
-async def _open(stub, prompt=PROMPT, features=False):
+async def _open(stub, prompt=PROMPT, features=False, tenant=""):
     call = stub.Session(timeout=20)
-    await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=prompt, features=features)))
+    await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=prompt, features=features,
+                                                                         tenant=tenant)))
     return call
 
 
@@ -107,6 +108,42 @@ def test_a_session_beyond_the_slots_is_refused_and_the_others_go_on(chat_pair, p
             break
         asyncio.run(asyncio.sleep(0.05))
     assert pool.in_use() == 0
+
+
+def test_fair_shares_of_the_last_slots():
+    # 16 slots, 2 kept: above them anyone is admitted; within them only a tenant under
+    # ceil(16 / (tenants open + 1)).
+    assert fair_share("a", ["a"] * 13, 3, 16, 0.125) == ""
+    assert "fair share" in fair_share("a", ["a"] * 14, 2, 16, 0.125)
+    assert fair_share("b", ["a"] * 14, 2, 16, 0.125) == ""
+    assert fair_share("b", ["a"] * 14 + ["b"], 1, 16, 0.125) == ""  # 1 < ceil(16 / 3)
+    assert "fair share" in fair_share("c", ["a"] * 9 + ["c"] * 6, 1, 16, 0.125)  # 6 >= ceil(16 / 3)
+    assert fair_share("", [""] * 15, 1, 16, 0.125) == ""  # no tenant named: first come, first served
+    assert fair_share("a", ["a"] * 15, 1, 16, 0.0) == ""  # no reserve
+
+
+def test_the_last_slot_goes_to_a_tenant_under_its_fair_share(pooled_service):
+    """Two slots, one kept (the reserve, 1/8, rounds up): tenant a takes one, is refused the
+    last, which tenant b gets. Before, a took both and b was refused."""
+    pool = pooled_service.servicer.target.pool
+
+    async def run():
+        async with channel(pooled_service.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            first = await _open(stub, tenant="ka")
+            await _verify(first, [])
+            hog = await _open(stub, tenant="ka")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await hog.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "fair share" in refused.value.details()
+            other = await _open(stub, tenant="kb")
+            assert (await _verify(other, [])).next_token >= 0  # served
+            for c in (first, other):
+                await _close(c)
+
+    asyncio.run(run())
+    eventually(lambda: pool.in_use() == 0)
 
 
 def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service):

@@ -51,16 +51,18 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenTarget, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[CloseTarget, _Mapping]] = ...) -> None: ...
 
 class OpenTarget(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "features", "speculate")
+    __slots__ = ("prompt_ids", "sampling", "features", "speculate", "tenant")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     features: bool
     speculate: LocalDrafting
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ..., speculate: _Optional[_Union[LocalDrafting, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ..., speculate: _Optional[_Union[LocalDrafting, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LocalDrafting(_message.Message):
     __slots__ = ("policy", "policy_params", "max_draft_tokens", "policy_state", "max_length")
