@@ -27,6 +27,7 @@ from specd.drafters.base import Drafter
 from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.penalties import check_logit_bias, penalize
 from specd.policies import (
     NO_SPECULATION,
     PolicyResources,
@@ -113,6 +114,7 @@ class GenerationRun:
         target = engine.target
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
+        check_logit_bias(sampling, target.emitted_vocab)
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
         self.policy, self.drafter = self._build_policy(reference)
         self.costs = self.policy.resources.costs if self.policy is not None else None  # refreshed by this run
@@ -126,7 +128,8 @@ class GenerationRun:
         self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
         shape = tree_shape(spec.branches, self.drafter, spec.policy, spec.relaxed)
-        self.trees = TreePlanner(*shape) if shape[0] else None  # draft trees (specd.tree)
+        # Draft trees (specd.tree); not under penalties, whose counts follow one chain.
+        self.trees = TreePlanner(*shape) if shape[0] and not sampling.adjusts_logits else None
         self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
         # Stop strings, found incrementally in the text of each round's new tokens.
@@ -271,6 +274,8 @@ class GenerationRun:
         q = torch.stack(qs) if qs and qs[0] is not None else None
         vocab = self.target.emitted_vocab
         logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
+        logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:committed],
+                          drafts)
         threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
         return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
                              committed)

@@ -32,6 +32,7 @@ MAX_NAME_CHARS = 64  # a policy's name, a policy parameter's name
 TASK_TAG = re.compile(r"[A-Za-z0-9_.:/@-]{1,64}")
 MAX_DRAFT_TOKENS = 256
 MAX_BRANCHES = 16  # side branches of a draft tree (specd.tree)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 
 
 def check_text(field_name: str, text: str) -> None:
@@ -59,10 +60,24 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
+    # What changes the target's logits before they are judged (specd.penalties), at every
+    # position of a window as at the target alone's: OpenAI's presence and frequency penalties
+    # (over the generated tokens), the repetition penalty (over prompt and generated tokens;
+    # 1: off) and a bias per token id, as sorted (id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before they are judged (penalties, a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def coupled(self) -> bool:
@@ -90,6 +105,20 @@ class SamplingParams:
                 raise InvalidRequest("stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters, "
                                              f"got {len(s)}")
             check_text("stop", s)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
+            raise InvalidRequest("repetition_penalty", f"must be in (0, 10] (1 disables it), got "
+                                                       f"{self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not 0 <= token < 1 << 31:
+                raise InvalidRequest("logit_bias", f"keys are token ids >= 0, got {token}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequest("logit_bias", f"biases must be in [-100, 100], got {bias} for token {token}")
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,15 @@ SPARSE_FRACTION = 0.5
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.Sampling:
-    msg = common_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    msg = common_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, logit_bias=dict(s.logit_bias))
     if s.seed is not None:
         msg.seed = s.seed
+    if s.presence_penalty:
+        msg.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        msg.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
     return msg
 
 
@@ -26,7 +32,10 @@ def sampling_from_proto(msg: common_pb2.Sampling, max_new_tokens: int = 1,
                         stop: tuple[str, ...] = ()) -> SamplingParams:
     seed = msg.seed if msg.HasField("seed") else None
     # An unset message means greedy: proto3 defaults give top_p 0, which means "off" here.
-    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, seed, max_new_tokens, stop)
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, seed, max_new_tokens, stop,
+                          msg.presence_penalty, msg.frequency_penalty,
+                          msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                          tuple(sorted(msg.logit_bias.items())))
 
 
 def distribution_to_proto(q: torch.Tensor) -> common_pb2.Distribution:

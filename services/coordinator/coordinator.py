@@ -256,7 +256,8 @@ class Coordinator:
         # A lookup drafter has no drafting time for PEARL to hide, and its pre-verification of a
         # window's first token alone costs a target forward: sequential, unless the request asks.
         # So are draft trees, which grow from whole windows (PEARL sends windows in parts).
-        trees = cfg.spec.branches if cfg.spec.branches is not None else draft.branches
+        trees = (cfg.spec.branches if cfg.spec.branches is not None else draft.branches) \
+            and not cfg.sampling.adjusts_logits  # the draft service grows no tree under penalties
         overlap = cfg.overlap and (asked is not None or (draft.kind not in MODEL_FREE_KINDS and not trees))
         return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
                                    drafter=draft.name,

@@ -143,10 +143,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         policy = request_policy(o.spec, o.state, PolicyResources(None, self.specdecpp_head), costs)
         learning = self.learning
-        # Draft trees; not while learning online, whose top log-probabilities are a chain's.
+        # Draft trees; not while learning online, whose top log-probabilities are a chain's, nor
+        # under penalties, whose counts follow one chain (specd.penalties).
         shape = tree_shape(self.branches if o.branches is None else o.branches, self.drafter, o.spec.policy,
                            o.spec.relaxed)
-        trees = TreePlanner(*shape) if shape[0] and learning is None else None
+        trees = TreePlanner(*shape) if shape[0] and learning is None and not o.sampling.adjusts_logits else None
         curve = (policy.resources.costs or costs()) if trees is not None else None
         runner = DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length,
                              o.lookahead, o.send_distributions and self.drafter.has_distribution, self.executor,

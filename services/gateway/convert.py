@@ -72,6 +72,10 @@ def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
         seed=req.seed,
         max_new_tokens=max_tokens,
         stop=req.stop_strings,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias_pairs,
     )
 
 

@@ -21,6 +21,7 @@ from services.coordinator.api import MAX_MESSAGES
 from specd.types import (
     MAX_BRANCHES,
     MAX_DRAFT_TOKENS,
+    MAX_LOGIT_BIAS,
     MAX_POLICY_PARAMS,
     MAX_SEED,
     MAX_STOP_STRINGS,
@@ -98,9 +99,32 @@ class _Knobs(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int | None, AfterValidator(_one)] = None
-    presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    logit_bias: Annotated[Annotated[dict, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, {})] = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                           description="subtracted from the logit of every token already "
+                                                       "generated (speculation applies it at every drafted "
+                                                       "position as the target alone would)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                            description="subtracted from a token's logit once per time it was "
+                                                        "generated")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0,
+                                             description="extension: a prompt or generated token's logit is "
+                                                         "divided by it (multiplied, if negative); 1 = off")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) >= 1 << 31:
+                raise ValueError(f"keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases are in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)
 
     @property

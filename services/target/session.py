@@ -11,6 +11,7 @@ from specd.dvi import top_logprobs
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.penalties import check_logit_bias, penalize
 from specd.sampling import request_generator
 from specd.tree import DraftTree, verify_tree
 from specd.types import SamplingParams
@@ -25,8 +26,10 @@ class TargetSession:
                  tenant: str = ""):
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
+        check_logit_bias(sampling, target.emitted_vocab)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
+        self.prompt_len = len(prompt)
         self.kv = target.session()
         self.tenant = tenant  # who the session is for (OpenTarget.tenant), for the KV pool's fair shares
         self.features = features  # return the hidden states of committed positions (feature drafters)
@@ -66,6 +69,8 @@ class TargetSession:
             return None
         if relaxed:
             raise InvalidRequest("side_tokens", "relaxed verification is defined for chains, not draft trees")
+        if self.sampling.adjusts_logits:
+            raise InvalidRequest("side_tokens", "penalties and logit_bias are applied along chains, not draft trees")
         if top_k:
             raise InvalidRequest("side_tokens", "top_logprobs are returned for chains, not draft trees")
         if self.features:
@@ -106,7 +111,7 @@ class TargetSession:
     def reads_argmax(self, relaxed: bool, tree: DraftTree | None = None) -> bool:
         """Whether a window's verdict needs only its logits' argmax per row (greedy, a chain, not
         relaxed): the batcher then reads it with the other sessions' (StepBatcher.submit)."""
-        return self.sampling.greedy and not relaxed and tree is None
+        return self.sampling.greedy and not relaxed and tree is None and not self.sampling.adjusts_logits
 
     def judge(self, logits: torch.Tensor, hidden: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
               relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int,
@@ -116,8 +121,8 @@ class TargetSession:
         or None); commits the verdict. start: the position of the window's first fed token;
         best: the logits' argmax per row, where the batcher read it."""
         logits, q = self.within_vocab(logits, q)
-        if best is not None and best and max(best) >= self.vocab:
-            best = None  # read again from the logits within the vocabulary
+        if best is not None and best and (max(best) >= self.vocab or self.sampling.adjusts_logits):
+            best = None  # read again from the logits within the vocabulary, or penalized
         verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed, best)
         top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
@@ -135,6 +140,7 @@ class TargetSession:
                relaxed_threshold: float | None, relaxed: bool, best: list[int] | None = None) -> Verdict:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
         committed = len(self.seq)
+        logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:], drafts)
         verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
                                 committed, best)
         n = verdict.num_accepted

@@ -58,6 +58,9 @@ def check_spec(spec: SpecParams, sampling: SamplingParams, oracle: bool = False)
         policy_class(spec.policy).Params.from_overrides(policy_overrides(spec))
     if spec.relaxed and spec.policy != "adasd":
         raise InvalidRequest("relaxed", "relaxed verification is AdaSD's and needs policy 'adasd'")
+    if spec.branches and sampling.adjusts_logits:
+        raise InvalidRequest("branches", "draft trees are not verified under penalties or logit_bias, which "
+                                         "count along one chain; ask for 0 branches")
     if spec.policy == "oracle" and not oracle:
         raise InvalidRequest("policy", "the oracle policy needs the target's answer in advance; "
                                        "it runs only in `specd bench`")

@@ -64,6 +64,32 @@ def test_greedy_output_is_the_target_alone(chat_pair, target_service, hf_draft_s
             assert stats["verifications"] + stats["accepted"] >= len(ids)
 
 
+PENALTIES = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias=((5, 2.0),))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("drafter", ["hf", "ngram"])
+@pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
+def test_penalties_through_the_services_are_the_target_alones(chat_pair, target_service, hf_draft_service,
+                                                              ngram_draft_service, drafter, overlap, seed):
+    """Penalties and logit_bias travel to the target (Sampling) and apply at every drafted
+    position there: the answer is the in-process target alone's with the same penalties."""
+    draft = hf_draft_service if drafter == "hf" else ngram_draft_service
+    sampling = SamplingParams(temperature=0.8 if seed is not None else 0.0, seed=seed, max_new_tokens=32,
+                              **PENALTIES)
+    drafted, changed = 0, False
+    for prompt in (PROMPTS[0], "the cat sat"):
+        ids = chat_pair[0].encode_prompt(prompt, chat=False)
+        want = SpeculativeEngine(chat_pair[0]).generate(ids, sampling, SpecParams("none")).token_ids
+        got, finish = generate(target_service.address, draft.address,
+                               GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant"),
+                                               overlap=overlap))
+        assert got == want and not finish.spec_stats["fallback"]
+        drafted += finish.spec_stats["drafted"]
+        changed |= want != reference(chat_pair[0], prompt, 32)
+    assert drafted > 0 and changed  # the penalties changed an answer
+
+
 def test_a_retrieval_draft_service_is_lossless_and_gets_drafts_accepted(service_loop, chat_pair, target_service,
                                                                         tmp_path):
     """The draft service built from its settings (no model loaded) with a datastore of the

@@ -90,6 +90,20 @@ def test_greedy_output_equals_the_target_alone(http, policy):
     assert spec["choices"] == alone["choices"] and spec["usage"] == alone["usage"]
 
 
+PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "repetition_penalty": 1.3,
+             "logit_bias": {"5": 3.0, "9": -100}}
+
+
+@pytest.mark.parametrize("body", [{"temperature": 0}, {"temperature": 0.9, "seed": 3}], ids=["greedy", "seeded"])
+def test_penalties_and_logit_bias_are_lossless_and_change_the_answer(http, body):
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = _chat(http, messages=messages, max_tokens=40, **body, speculative={"enabled": False})
+    alone = _chat(http, messages=messages, max_tokens=40, **body, **PENALTIES, speculative={"enabled": False})
+    spec = _chat(http, messages=messages, max_tokens=40, **body, **PENALTIES, speculative={"policy": "constant"})
+    assert spec["choices"] == alone["choices"] and spec["spec_stats"]["drafted"] > 0
+    assert alone["choices"] != plain["choices"]
+
+
 def test_sampling_with_a_seed_is_reproducible(http):
     """The same seed gives the same text: whatever the policy (and the state it learnt from the
     request before), and the target alone's."""
@@ -122,6 +136,14 @@ BAD = [  # (route, body, param)
     (CHAT, {"messages": HI, "n": 2}, "n"),
     (CHAT, {"messages": HI, "logprobs": True}, "logprobs"),
     (CHAT, {"messages": HI, "stop": 5}, "stop"),
+    (CHAT, {"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"messages": HI, "frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
+    (CHAT, {"messages": HI, "logit_bias": {"a": 1}}, "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"5": 101}}, "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"100000": 1}}, "logit_bias"),  # past the vocabulary
+    (CHAT, {"messages": HI, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    (CHAT, {"messages": HI, "presence_penalty": 1, "speculative": {"branches": 2}}, "speculative.branches"),
     (CHAT, {"messages": HI, "speculative": {"policy": "svip", "params": {"h": -1}}}, "speculative.params.h"),
     (CHAT, {"messages": HI, "speculative": {"params": {"no_such_param": 1}}},
      "speculative.params.no_such_param"),

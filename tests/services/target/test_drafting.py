@@ -81,6 +81,20 @@ def test_seeded_sampling_is_the_target_alone_with_the_same_seed(chat_pair, draft
         assert finish.spec_stats["drafted"] > 0
 
 
+@pytest.mark.parametrize("seed", [None, 9], ids=["greedy", "seeded"])
+def test_penalties_apply_at_every_position_the_target_drafts(chat_pair, drafting_target, seed):
+    sampling = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed, max_new_tokens=32,
+                              presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2,
+                              logit_bias=((7, 1.5),))
+    drafted = 0
+    for prompt in PROMPTS:
+        request = GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant"))
+        ids, finish = generate(drafting_target.address, None, request)
+        assert ids == reference(chat_pair[0], prompt, sampling) and finish.spec_stats["drafted_on_target"]
+        drafted += finish.spec_stats["drafted"]
+    assert drafted > 0
+
+
 def test_the_target_drafts_even_with_a_draft_service_configured(chat_pair, drafting_target, hf_draft_service):
     """The coordinator prefers the target's own lookups: no round trip to the draft service."""
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=24),
