@@ -9,7 +9,7 @@ goals of docs/deploy.md "Security":
    nothing read), then a normal request of another key: is it served, and when do the 16 free
    the target's KV slots? The gateway runs with two static keys for this (`specd up` is open).
 
-    python scripts/hostile_clients.py --out docs/bench/hostile-clients-epyc
+    python scripts/hostile_clients.py --out docs/bench/hostile-clients-xeon
 """
 
 from __future__ import annotations
