@@ -27,6 +27,7 @@ from specd.drafters.base import Drafter
 from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias, penalize
 from specd.policies import (
     NO_SPECULATION,
@@ -51,6 +52,7 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, where asked
 
 
 
@@ -90,8 +92,9 @@ class SpeculativeEngine:
         self._costs = curve
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> Generation:
-        run = self.start(prompt_ids, sampling, spec, reference)
+                 spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None,
+                 logprobs: int | None = None) -> Generation:
+        run = self.start(prompt_ids, sampling, spec, reference, logprobs)
         try:
             for _ in run:
                 pass
@@ -100,9 +103,12 @@ class SpeculativeEngine:
         return run.result()
 
     def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-              spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None) -> GenerationRun:
-        """A request to iterate round by round (each step yields the newly emitted ids)."""
-        return GenerationRun(self, list(prompt_ids), sampling, spec, reference)
+              spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None,
+              logprobs: int | None = None) -> GenerationRun:
+        """A request to iterate round by round (each step yields the newly emitted ids).
+        logprobs: keep each emitted token's log-probability and this many alternatives
+        (specd.logprobs; None: none)."""
+        return GenerationRun(self, list(prompt_ids), sampling, spec, reference, logprobs)
 
     def state_key(self, policy: str, task_tag: str) -> StateKey:
         return StateKey(self.drafter.name if self.drafter else "-", self.target.name, policy, task_tag)
@@ -110,9 +116,10 @@ class SpeculativeEngine:
 
 class GenerationRun:
     def __init__(self, engine: SpeculativeEngine, prompt: list[int], sampling: SamplingParams,
-                 spec: SpecParams, reference: Sequence[int] | None):
+                 spec: SpecParams, reference: Sequence[int] | None, logprobs: int | None = None):
         target = engine.target
         sampling.validate(max_new_tokens_limit=target.max_context)
+        check_logprobs(logprobs, spec)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
         check_logit_bias(sampling, target.emitted_vocab)
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
@@ -128,8 +135,12 @@ class GenerationRun:
         self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
         shape = tree_shape(spec.branches, self.drafter, spec.policy, spec.relaxed)
-        # Draft trees (specd.tree); not under penalties, whose counts follow one chain.
-        self.trees = TreePlanner(*shape) if shape[0] and not sampling.adjusts_logits else None
+        # Draft trees (specd.tree); not under penalties, whose counts follow one chain, nor with
+        # log-probabilities, which are a chain's.
+        chains = sampling.adjusts_logits or logprobs is not None
+        self.trees = TreePlanner(*shape) if shape[0] and not chains else None
+        self.top_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] = []  # of the generated tokens, where asked
         self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
         # Stop strings, found incrementally in the text of each round's new tokens.
@@ -192,6 +203,9 @@ class GenerationRun:
         del seq[committed:]  # drafts leave the committed sequence until verified
         verdict = self._verify(logits, drafts, qs, committed)
         n = verdict.num_accepted
+        emitted = drafts[:n] + [verdict.next_token]
+        lps = (emitted_logprobs(logits[..., :self.target.emitted_vocab], emitted, self.top_logprobs)
+               if self.top_logprobs is not None else None)
         if self.replay is not None and k:
             self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
                                            self.drafter.lora_version))
@@ -210,7 +224,7 @@ class GenerationRun:
         stats.record_round(k, n, verdict.num_strict, verdict.num_relaxed, [s.entropy for s in steps])
         if k or dropped is not None:
             self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
-        return self._commit(drafts[:n] + [verdict.next_token])
+        return self._commit(emitted, lps)
 
     def _observe(self, steps: list[DraftStep], num_strict: int, after: int, dropped: DraftStep | None,
                  hit_cap: bool, js_distances: tuple[float, ...] = ()) -> None:
@@ -280,8 +294,9 @@ class GenerationRun:
         return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
                              committed)
 
-    def _commit(self, new: list[int]) -> list[int]:
-        """Append verified tokens, honouring EOS, max_new_tokens and stop strings exactly."""
+    def _commit(self, new: list[int], lps: list[TokenLogprob] | None = None) -> list[int]:
+        """Append verified tokens (and their log-probabilities, lps), honouring EOS,
+        max_new_tokens and stop strings exactly."""
         out, self.finish_reason = commit_tokens(new, len(self.seq), self.target.eos_token_ids, self.max_len)
         self.seq += out
         if self.stops is not None:  # cut after the fewest tokens whose text holds a stop string
@@ -289,6 +304,8 @@ class GenerationRun:
             if self.stops.stopped:
                 del self.seq[len(self.seq) - len(out) + kept:]
                 out, self.finish_reason = out[:kept], "stop"
+        if lps is not None:
+            self.logprobs += lps[:len(out)]
         return out
 
     # -- results ----------------------------------------------------------------------------
@@ -302,7 +319,8 @@ class GenerationRun:
 
     def result(self) -> Generation:
         return Generation(self.generated(), self.text() if self.target.tokenizer else "",
-                          self.finish_reason or "length", self.stats)
+                          self.finish_reason or "length", self.stats,
+                          list(self.logprobs) if self.top_logprobs is not None else None)
 
     def close(self) -> None:
         """Free both KV caches and save the policy's adaptive state (idempotent)."""

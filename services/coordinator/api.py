@@ -9,11 +9,12 @@ backend owns the tokenizer, so the gateway never loads a model.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from specd.errors import InvalidRequest
+from specd.logprobs import TokenLogprob, check_logprobs
 from specd.types import SamplingParams, SpecParams, check_text
 
 # What one request may send, checked before it is tokenized: far more text than any model's
@@ -39,6 +40,9 @@ class GenerateRequest:
     # Who the request is for, as an opaque name (the gateway's label of the API key; "": one
     # shared tenant): the target keeps part of its KV slots for tenants below their fair share.
     tenant: str = ""
+    # Each emitted token's log-probability under the target and this many alternatives
+    # (specd.logprobs; None: none), in TokenEvent.logprobs.
+    logprobs: int | None = None
 
     def validate(self, max_new_tokens_limit: int = 1 << 20,
                  max_draft_tokens_limit: int = MAX_REQUEST_DRAFT_TOKENS) -> None:
@@ -69,15 +73,28 @@ class GenerateRequest:
             raise InvalidRequest("prompt_ids", f"at most {MAX_PROMPT_CHARS} tokens, got {len(self.prompt_ids)}")
         self.sampling.validate(max_new_tokens_limit)
         self.spec.validate(max_draft_tokens_limit)
+        check_logprobs(self.logprobs, self.spec)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One emitted token's text and log-probability, with the most likely tokens at its
+    position (text, log-probability), as the OpenAI API reports them."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """Newly emitted tokens and the text they complete (held back while a UTF-8 character
-    or a possible stop string is still incomplete)."""
+    or a possible stop string is still incomplete); with GenerateRequest.logprobs, one
+    Logprob per token id."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,3 +127,13 @@ class Backend(Protocol):
 
     async def ready(self) -> bool:
         """True when a request could be served now (the target is reachable)."""
+
+
+def named_logprobs(tokenizer, ids: Sequence[int], found: Sequence[TokenLogprob]) -> tuple[Logprob, ...]:
+    """The Logprobs of emitted ids, their tokens' text decoded one by one (a token that is part
+    of a UTF-8 character reads as U+FFFD, as in vLLM)."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    return tuple(Logprob(text(t), lp.logprob, tuple((text(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+                 for t, lp in zip(ids, found))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.convert import sampling_from_proto, sampling_to_proto
-from services.coordinator.api import Event, FinishEvent, GenerateRequest, TokenEvent
+from services.coordinator.api import Event, FinishEvent, GenerateRequest, Logprob, TokenEvent
 from services.proto.specd.coordinator.v1 import coordinator_pb2 as pb
 from specd.errors import InvalidRequest
 from specd.types import SpecParams
@@ -29,7 +29,8 @@ def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> Generate
         if kind == "messages" else None,
         prompt_ids=tuple(msg.prompt_ids.ids) if kind == "prompt_ids" else None,
         sampling=sampling_from_proto(msg.sampling, msg.max_new_tokens, tuple(msg.stop)),
-        spec=spec, overlap=sp.overlap if sp.HasField("overlap") else None, tenant=msg.tenant)
+        spec=spec, overlap=sp.overlap if sp.HasField("overlap") else None, tenant=msg.tenant,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
 def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
@@ -43,6 +44,8 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         sp.branches = s.branches
     msg = pb.GenerateRequest(sampling=sampling_to_proto(r.sampling), max_new_tokens=r.sampling.max_new_tokens,
                              stop=list(r.sampling.stop), speculative=sp, tenant=r.tenant)
+    if r.logprobs is not None:
+        msg.logprobs = r.logprobs
     if r.prompt_ids is not None:
         msg.prompt_ids.ids.extend(r.prompt_ids)
     elif r.messages is not None:
@@ -54,7 +57,9 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
 
 def event_to_proto(event: Event) -> pb.GenerateResponse:
     if isinstance(event, TokenEvent):
-        return pb.GenerateResponse(tokens=pb.Tokens(ids=event.token_ids, text=event.text))
+        return pb.GenerateResponse(tokens=pb.Tokens(ids=event.token_ids, text=event.text, logprobs=[
+            pb.Logprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                       top_logprobs=[v for _, v in lp.top]) for lp in event.logprobs]))
     stats = {k: v for k, v in event.spec_stats.items() if k in _STAT_FIELDS and v is not None}
     return pb.GenerateResponse(finish=pb.Finish(
         finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,
@@ -63,7 +68,8 @@ def event_to_proto(event: Event) -> pb.GenerateResponse:
 
 def event_from_proto(msg: pb.GenerateResponse) -> Event:
     if msg.WhichOneof("kind") == "tokens":
-        return TokenEvent(tuple(msg.tokens.ids), msg.tokens.text)
+        return TokenEvent(tuple(msg.tokens.ids), msg.tokens.text, tuple(
+            Logprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in msg.tokens.logprobs))
     f = msg.finish
     s = f.spec_stats
     stats = {name: getattr(s, name) for name in _STAT_FIELDS}

@@ -39,6 +39,7 @@ from services.coordinator.api import (
     GenerateRequest,
     ModelCard,
     TokenEvent,
+    named_logprobs,
 )
 from services.coordinator.loop import LoopConfig, RequestLoop
 from services.coordinator.metrics import CoordinatorMetrics
@@ -211,9 +212,13 @@ class Coordinator:
         stream = TextStream(self.tokenizer, request.sampling.stop)
         try:
             async for new in loop.run():
+                released = len(stream.ids)  # the index of new[0] among the generated ids
                 delta = stream.push(new)
                 if delta.token_ids or delta.text:
-                    yield TokenEvent(delta.token_ids, delta.text)
+                    lps = (named_logprobs(self.tokenizer, delta.token_ids,
+                                          loop.logprobs[released:released + len(delta.token_ids)])
+                           if request.logprobs is not None else ())
+                    yield TokenEvent(delta.token_ids, delta.text, lps)
                 if stream.stopped:
                     loop.finish_reason = "stop"
                     break
@@ -248,7 +253,7 @@ class Coordinator:
             prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
             min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
             info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None,
-            plain_runs=self.plain_runs, tenant=request.tenant)
+            plain_runs=self.plain_runs, tenant=request.tenant, logprobs=request.logprobs)
 
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))
@@ -257,7 +262,7 @@ class Coordinator:
         # window's first token alone costs a target forward: sequential, unless the request asks.
         # So are draft trees, which grow from whole windows (PEARL sends windows in parts).
         trees = (cfg.spec.branches if cfg.spec.branches is not None else draft.branches) \
-            and not cfg.sampling.adjusts_logits  # the draft service grows no tree under penalties
+            and not cfg.sampling.adjusts_logits and cfg.logprobs is None  # then the draft grows no tree
         overlap = cfg.overlap and (asked is not None or (draft.kind not in MODEL_FREE_KINDS and not trees))
         return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
                                    drafter=draft.name,

@@ -20,6 +20,7 @@ from services.coordinator.api import (
     GenerateRequest,
     ModelCard,
     TokenEvent,
+    named_logprobs,
 )
 from specd.detok import TextStream
 from specd.engine import GenerationRun, SpeculativeEngine
@@ -69,9 +70,13 @@ class LocalBackend:
                 new = await self._call(next, rounds, None)
                 if new is None:
                     break
+                released = len(stream.ids)  # the index of new[0] among the generated ids
                 delta = stream.push(new)
                 if delta.token_ids or delta.text:
-                    yield TokenEvent(delta.token_ids, delta.text)
+                    lps = (named_logprobs(self.target.tokenizer, delta.token_ids,
+                                          run.logprobs[released:released + len(delta.token_ids)])
+                           if request.logprobs is not None else ())
+                    yield TokenEvent(delta.token_ids, delta.text, lps)
             tail = stream.finish()
             if tail.text:
                 yield TokenEvent((), tail.text)
@@ -88,7 +93,8 @@ class LocalBackend:
 
     def _open(self, session: _Session, request: GenerateRequest) -> GenerationRun:
         request.validate()
-        run = self.engine.start(self._prompt_ids(request), request.sampling, request.spec)
+        run = self.engine.start(self._prompt_ids(request), request.sampling, request.spec,
+                                logprobs=request.logprobs)
         session.run = run
         self.active_sessions += 1
         return run

@@ -41,6 +41,7 @@ from services.common.grpc_errors import client_message, from_rpc_error, status_e
 from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
+from specd.logprobs import TokenLogprob
 from specd.round import commit_tokens
 from specd.stats import GenerationStats
 from specd.types import SamplingParams, SpecParams
@@ -115,6 +116,7 @@ class LoopConfig:
     plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
     drafts_on_target: bool = False  # the target drafts the windows itself, run by run (no draft service)
     tenant: str = ""  # who the request is for (GenerateRequest.tenant): the target's fair share of KV slots
+    logprobs: int | None = None  # emitted tokens' log-probabilities, with this many alternatives
 
 
 def settled_status(call) -> tuple[grpc.StatusCode, str]:
@@ -135,6 +137,7 @@ class RequestLoop:
         self.cfg = cfg
         self.target_stub, self.draft_stub = target_stub, draft_stub
         self.seq = list(cfg.prompt)
+        self.logprobs: list[TokenLogprob] = []  # of the emitted tokens, with cfg.logprobs
         self.stats = LoopStats(cfg.spec.policy, cfg.drafter, prompt_tokens=len(cfg.prompt),
                                lossy=cfg.spec.relaxed, overlap=cfg.overlap,
                                drafted_on_target=cfg.drafts_on_target)
@@ -237,6 +240,8 @@ class RequestLoop:
         self._watch_target(self.target_stub.Session(timeout=cfg.timeout_s))
         open_msg = target_pb2.OpenTarget(prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling),
                                          features=cfg.features, tenant=cfg.tenant)
+        if cfg.logprobs is not None:
+            open_msg.logprobs = cfg.logprobs
         if cfg.drafts_on_target:
             open_msg.speculate.CopyFrom(target_pb2.LocalDrafting(
                 policy=spec.policy, policy_params=spec.policy_params, policy_state=cfg.policy_state,
@@ -258,6 +263,8 @@ class RequestLoop:
             open_msg.max_draft_tokens = spec.max_draft_tokens
         if spec.branches is not None:
             open_msg.branches = spec.branches
+        if cfg.logprobs is not None:  # they are returned along chains (specd.logprobs)
+            open_msg.branches = 0
         self.draft_call = self.draft_stub.Session(timeout=cfg.timeout_s)
         self.tasks.append(asyncio.create_task(self._pump("draft", self.draft_call)))
         await self._write_draft(draft_pb2.DraftRequest(open=open_msg))
@@ -486,6 +493,11 @@ class RequestLoop:
             self.stats.continuations_kept += 1  # PEARL: the next window's first draft was the bonus
         emitted, self.finish_reason = commit_tokens(tokens, start, self.cfg.eos, self.cfg.max_length)
         self.seq += emitted
+        if self.cfg.logprobs is not None:
+            if len(v.emitted_logprobs) < len(emitted):
+                raise Unavailable("target service returned no log-probabilities (an older version?)")
+            self.logprobs += [TokenLogprob(e.logprob, tuple(e.top_ids), tuple(e.top_logprobs))
+                              for e in v.emitted_logprobs[:len(emitted)]]
         for pos in range(start, start + len(tokens)):
             self.drafts.pop(pos, None)
         self.window_ends = [w for w in self.window_ends if w.end > len(self.seq) or w.start == w.end == len(self.seq)]

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from services.coordinator.api import Backend, Event, FinishEvent
+from services.coordinator.api import Backend, Event, FinishEvent, Logprob
 from services.gateway import convert, errors, json_scan
 from services.gateway.auth import Auth, KeyedRoute
 from services.gateway.body_limit import BodyLimit
@@ -302,36 +302,39 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             raise
         env = convert.Envelope.new(chat, gw.backend.model_card().id)
         if body.stream:
-            to_chunks = convert.chat_chunks if chat else convert.completion_chunks
+            to_chunks = convert.stream_chunks(env, chat, body.include_usage)
             head = convert.chat_head(env) if chat else []
             streaming = True  # the stream releases its admission when it ends, however it ends
-            return EventStream(_sse(request, events, first, head,
-                                    lambda event: to_chunks(env, lease.observe(event), body.include_usage)),
+            return EventStream(_sse(request, events, first, head, lambda event: to_chunks(lease.observe(event))),
                                on_close=release, send_timeout_s=gw.stream_send_timeout_s)
         try:
-            text, finish = await _collect(request, first, events, lease.observe)
+            text, finish, found = await _collect(request, first, events, lease.observe)
         finally:
             await _aclose(events)
         lease.observe(finish)
-        return convert.chat_completion(env, text, finish) if chat else convert.completion(env, text, finish)
+        found = found if gen.logprobs is not None else None
+        return (convert.chat_completion(env, text, finish, found) if chat
+                else convert.completion(env, text, finish, found))
     finally:
         if not streaming:
             release()
 
 
 async def _collect(request: Request, first: Event, events: AsyncIterator[Event],
-                   observe=lambda event: event) -> tuple[str, FinishEvent]:
-    """The whole answer, or ClientDisconnect as soon as the client leaves: nobody would read
-    it, and closing the backend iterator frees the session now rather than at the end. observe:
-    each token event, as it comes (the key's lease counts what a cut answer cost)."""
+                   observe=lambda event: event) -> tuple[str, FinishEvent, list[Logprob]]:
+    """The whole answer (its text, its finish and its tokens' log-probabilities, where asked),
+    or ClientDisconnect as soon as the client leaves: nobody would read it, and closing the
+    backend iterator frees the session now rather than at the end. observe: each token event,
+    as it comes (the key's lease counts what a cut answer cost)."""
     with anyio.CancelScope() as scope:
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, scope))
         try:
-            parts, event = [], first
+            parts, found, event = [], [], first
             while not isinstance(event, FinishEvent):
                 parts.append(observe(event).text)
+                found += event.logprobs
                 event = await anext(events)
-            return "".join(parts), event
+            return "".join(parts), event, found
         finally:
             watcher.cancel()
     raise ClientDisconnect()  # reached only when the watcher cancelled the scope

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from pydantic import BaseModel
 
 from services.coordinator.api import (
     Event,
     FinishEvent,
     GenerateRequest,
+    Logprob,
     ModelCard,
     TokenEvent,
 )
@@ -22,13 +26,17 @@ from services.gateway.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     ChunkChoice,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     ModelInfo,
     ModelList,
     SpeculativeOptions,
+    TokenLogprobInfo,
+    TopLogprob,
     Usage,
 )
 from specd.errors import InvalidRequest
@@ -50,9 +58,11 @@ def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int
     overlap = req.speculative.overlap
     if isinstance(req, ChatCompletionRequest):
         messages = tuple({"role": _ROLES.get(m.role, m.role), "content": m.text} for m in req.messages)
-        gen = GenerateRequest(messages=messages, sampling=sampling, spec=spec, overlap=overlap)
+        gen = GenerateRequest(messages=messages, sampling=sampling, spec=spec, overlap=overlap,
+                              logprobs=req.logprobs_asked)
     else:
-        gen = GenerateRequest(prompt=req.text, sampling=sampling, spec=spec, overlap=overlap)
+        gen = GenerateRequest(prompt=req.text, sampling=sampling, spec=spec, overlap=overlap,
+                              logprobs=req.logprobs_asked)
     gen.validate(max_tokens_limit)  # here, whatever the backend: before any conversion to protobuf
     return gen
 
@@ -105,14 +115,43 @@ def usage(finish: FinishEvent) -> Usage:
                  total_tokens=finish.prompt_tokens + finish.completion_tokens)
 
 
-def chat_completion(env: Envelope, text: str, finish: FinishEvent) -> ChatCompletion:
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish.finish_reason)
+def chat_logprobs(found: Sequence[Logprob] | None) -> ChatLogprobs | None:
+    """OpenAI's chat `logprobs` of the tokens found (None: none asked)."""
+    if found is None:
+        return None
+
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+
+    return ChatLogprobs(content=[TokenLogprobInfo(**one(lp.token, lp.logprob),
+                                                  top_logprobs=[TopLogprob(**one(t, v)) for t, v in lp.top])
+                                 for lp in found])
+
+
+def completion_logprobs(found: Sequence[Logprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+    """The completions API's `logprobs` of the tokens found, their text offsets from `offset`."""
+    if found is None:
+        return None
+    offsets = []
+    for lp in found:
+        offsets.append(offset)
+        offset += len(lp.token)
+    tops = [dict(lp.top) for lp in found] if any(lp.top for lp in found) else None
+    return CompletionLogprobs(tokens=[lp.token for lp in found], token_logprobs=[lp.logprob for lp in found],
+                              top_logprobs=tops, text_offset=offsets)
+
+
+def chat_completion(env: Envelope, text: str, finish: FinishEvent,
+                    found: Sequence[Logprob] | None = None) -> ChatCompletion:
+    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish.finish_reason,
+                        logprobs=chat_logprobs(found))
     return ChatCompletion(id=env.id, created=env.created, model=env.model, choices=[choice],
                           usage=usage(finish), spec_stats=finish.spec_stats)
 
 
-def completion(env: Envelope, text: str, finish: FinishEvent) -> Completion:
-    choice = CompletionChoice(text=text, finish_reason=finish.finish_reason)
+def completion(env: Envelope, text: str, finish: FinishEvent,
+               found: Sequence[Logprob] | None = None) -> Completion:
+    choice = CompletionChoice(text=text, finish_reason=finish.finish_reason, logprobs=completion_logprobs(found))
     return Completion(id=env.id, created=env.created, model=env.model, choices=[choice],
                       usage=usage(finish), spec_stats=finish.spec_stats)
 
@@ -124,18 +163,38 @@ def chat_head(env: Envelope) -> list[ChatCompletionChunk]:
 
 def chat_chunks(env: Envelope, event: Event, include_usage: bool) -> list[ChatCompletionChunk]:
     if isinstance(event, TokenEvent):
-        return [_chat_chunk(env, [ChunkChoice(delta=ChatDelta(content=event.text))])] if event.text else []
+        found = chat_logprobs(event.logprobs) if event.logprobs else None
+        return [_chat_chunk(env, [ChunkChoice(delta=ChatDelta(content=event.text), logprobs=found)])] \
+            if event.text or found else []
     last = _chat_chunk(env, [ChunkChoice(delta=ChatDelta(), finish_reason=event.finish_reason)],
                        spec_stats=event.spec_stats)
     return [last, _chat_chunk(env, [], usage=usage(event))] if include_usage else [last]
 
 
-def completion_chunks(env: Envelope, event: Event, include_usage: bool) -> list[Completion]:
+def completion_chunks(env: Envelope, event: Event, include_usage: bool, offset: int = 0) -> list[Completion]:
+    """offset: characters of the completion streamed before this event (its logprobs' text_offset)."""
     if isinstance(event, TokenEvent):
-        return [_completion_chunk(env, [CompletionChoice(text=event.text)])] if event.text else []
+        found = completion_logprobs(event.logprobs, offset) if event.logprobs else None
+        return [_completion_chunk(env, [CompletionChoice(text=event.text, logprobs=found)])] \
+            if event.text or found else []
     last = _completion_chunk(env, [CompletionChoice(text="", finish_reason=event.finish_reason)],
                              spec_stats=event.spec_stats)
     return [last, _completion_chunk(env, [], usage=usage(event))] if include_usage else [last]
+
+
+def stream_chunks(env: Envelope, chat: bool, include_usage: bool) -> Callable[[Event], list[BaseModel]]:
+    """The chunks of each event of one streamed answer, in order."""
+    if chat:
+        return lambda event: chat_chunks(env, event, include_usage)
+    streamed = 0
+
+    def chunks(event: Event) -> list[BaseModel]:
+        nonlocal streamed
+        out = completion_chunks(env, event, include_usage, streamed)
+        streamed += len(event.text) if isinstance(event, TokenEvent) else 0
+        return out
+
+    return chunks
 
 
 def model_list(card: ModelCard, created: int) -> ModelList:

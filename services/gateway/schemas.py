@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from services.coordinator.api import MAX_MESSAGES
+from specd.logprobs import MAX_TOP_LOGPROBS
 from specd.types import (
     MAX_BRANCHES,
     MAX_DRAFT_TOKENS,
@@ -189,8 +190,21 @@ class ChatCompletionRequest(_Knobs):
         if isinstance(value, list) and len(value) > MAX_MESSAGES:
             raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(value)}")
         return value
-    logprobs: Annotated[bool | None, _only(None, False)] = None
-    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    logprobs: bool | None = Field(None, description="return each generated token's log-probability under the "
+                                                    "target (temperature 1, before penalties)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="with logprobs: this many most likely tokens at each position")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
     tools: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
     tool_choice: Annotated[Any, _only(None, "none")] = None
     functions: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
@@ -202,7 +216,9 @@ class ChatCompletionRequest(_Knobs):
 class CompletionRequest(_Knobs):
     prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
     echo: Annotated[bool | None, _only(None, False)] = None
-    logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="return each generated token's log-probability under the target "
+                                             "(temperature 1, before penalties) and this many most likely tokens")
     best_of: Annotated[int | None, _only(None, 1)] = None
     suffix: Annotated[str | None, _only(None)] = None
 
@@ -224,6 +240,10 @@ class CompletionRequest(_Knobs):
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
 
 # -- responses --------------------------------------------------------------------------------
 
@@ -237,6 +257,27 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobInfo(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobInfo]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -246,7 +287,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -268,7 +309,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -288,7 +329,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -229,7 +229,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         was about to be free."""
         def new() -> TargetSession:
             return TargetSession(self.target, list(open_msg.prompt_ids), sampling_from_proto(open_msg.sampling),
-                                 open_msg.features, open_msg.tenant)
+                                 open_msg.features, open_msg.tenant,
+                                 open_msg.logprobs if open_msg.HasField("logprobs") else None)
         try:
             return new()
         except Overloaded:
@@ -286,10 +287,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
             if tree is not None:
                 verdict, accepted = session.judge_tree(logits, tree, q)
-                return verdict, None, None, accepted, 0
-            verdict, top, feats = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
-                                                msg.top_logprobs, start, best)
-            return verdict, top, features_to_proto(*feats) if feats else None, [], 0
+                return verdict, None, None, accepted, 0, []
+            verdict, top, feats, emitted = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
+                                                         msg.top_logprobs, start, best)
+            return verdict, top, features_to_proto(*feats) if feats else None, [], 0, emitted
 
         return ids, len(tree) + 1 if tree is not None else len(drafts) + 1, judge, tree
 
@@ -301,9 +302,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
         def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):
             committed = len(session.seq)
-            verdict, _, _ = session.judge(logits, hidden, drafts, None, None, False, 0, start, best)
+            verdict, _, _, emitted = session.judge(logits, hidden, drafts, None, None, False, 0, start, best)
             local.judged(committed, verdict)
-            return verdict, None, None, drafts[:verdict.num_accepted], len(drafts)
+            return verdict, None, None, drafts[:verdict.num_accepted], len(drafts), emitted
 
         return ids, judge, len(drafts) + 1
 
@@ -358,7 +359,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch,
                local: LocalDrafting | None = None) -> target_pb2.TargetResponse:
         """The Verified message of one forward's verdict, observed in the metrics."""
-        verdict, top, feats, accepted, drafted = judged
+        verdict, top, feats, accepted, drafted, emitted = judged
         self.metrics.observe_verify(len(msg.tokens) + len(msg.side_tokens) + drafted, batch.forward_seconds)
         if local is not None:  # the load its next window is priced in
             local.load = (max(batch.batch_size - 1, 0), max(batch.batch_tokens - drafted - 1, 0),
@@ -373,7 +374,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
-            decode_seconds_per_token=self.batcher.decode_cost.value, drafted=drafted))
+            decode_seconds_per_token=self.batcher.decode_cost.value, drafted=drafted,
+            emitted_logprobs=[target_pb2.EmittedLogprob(logprob=e.logprob, top_ids=e.top_ids,
+                                                        top_logprobs=e.top_logprobs) for e in emitted]))
 
     def _distributions(self, msg: target_pb2.Verify, drafts: list[int]) -> torch.Tensor | None:
         """q [k, V] from the request; None for a point mass (n-gram) or greedy verification.

@@ -11,10 +11,11 @@ from specd.dvi import top_logprobs
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.logprobs import check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias, penalize
 from specd.sampling import request_generator
 from specd.tree import DraftTree, verify_tree
-from specd.types import SamplingParams
+from specd.types import SamplingParams, SpecParams
 from specd.verify import Verdict, verify_window
 
 MAX_TOP_LOGPROBS = 64
@@ -23,7 +24,7 @@ PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
 
 class TargetSession:
     def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False,
-                 tenant: str = ""):
+                 tenant: str = "", logprobs: int | None = None):
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
         check_logit_bias(sampling, target.emitted_vocab)
@@ -31,6 +32,8 @@ class TargetSession:
         self.seq = list(prompt)
         self.prompt_len = len(prompt)
         self.kv = target.session()
+        check_logprobs(logprobs, SpecParams())
+        self.logprobs = logprobs  # return emitted tokens' log-probabilities with this many alternatives
         self.tenant = tenant  # who the session is for (OpenTarget.tenant), for the KV pool's fair shares
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
@@ -71,6 +74,8 @@ class TargetSession:
             raise InvalidRequest("side_tokens", "relaxed verification is defined for chains, not draft trees")
         if self.sampling.adjusts_logits:
             raise InvalidRequest("side_tokens", "penalties and logit_bias are applied along chains, not draft trees")
+        if self.logprobs is not None:
+            raise InvalidRequest("side_tokens", "log-probabilities are returned along chains, not draft trees")
         if top_k:
             raise InvalidRequest("side_tokens", "top_logprobs are returned for chains, not draft trees")
         if self.features:
@@ -118,15 +123,18 @@ class TargetSession:
               best: list[int] | None = None):
         """One window's forward -> (verdict, the top-k log-probabilities of the judged positions
         (up to the first rejection) or None, the committed positions' hidden states from start
-        or None); commits the verdict. start: the position of the window's first fed token;
-        best: the logits' argmax per row, where the batcher read it."""
+        or None, the emitted tokens' log-probabilities where the session returns them, else
+        []); commits the verdict. start: the position of the window's first fed token; best:
+        the logits' argmax per row, where the batcher read it."""
         logits, q = self.within_vocab(logits, q)
         if best is not None and best and (max(best) >= self.vocab or self.sampling.adjusts_logits):
             best = None  # read again from the logits within the vocabulary, or penalized
         verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed, best)
         top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
-        return verdict, top, feats
+        emitted = (emitted_logprobs(logits, drafts[:verdict.num_accepted] + [verdict.next_token], self.logprobs)
+                   if self.logprobs is not None else [])
+        return verdict, top, feats, emitted
 
     def within_vocab(self, logits: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits (and q) without the columns past the tokenizer: a view, so every path (greedy,

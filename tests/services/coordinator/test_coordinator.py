@@ -90,6 +90,42 @@ def test_penalties_through_the_services_are_the_target_alones(chat_pair, target_
     assert drafted > 0 and changed  # the penalties changed an answer
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("drafter", ["hf", "ngram"])
+def test_logprobs_through_the_services_are_the_target_alones(chat_pair, target_service, hf_draft_service,
+                                                             ngram_draft_service, drafter, overlap):
+    """Each emitted token's log-probability and alternatives come from the target's Verified
+    (float32 on the wire), one per token id of each event, as the target alone gives them."""
+    draft = hf_draft_service if drafter == "hf" else ngram_draft_service
+    sampling = SamplingParams(max_new_tokens=32, stop=("zz",))
+
+    async def run(prompt: str):
+        coord = Coordinator(CoordinatorConfig(target_service.address, draft.address), AsyncMemoryStateStore())
+        await coord.connect()
+        events = []
+        try:
+            async for ev in coord.generate(GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams(
+                    "constant"), overlap=overlap, logprobs=2)):
+                events.append(ev)
+        finally:
+            await coord.close()
+        return events
+
+    for prompt in (PROMPTS[0], "the cat sat"):
+        events = asyncio.run(run(prompt))
+        tokens = [e for e in events if not isinstance(e, FinishEvent)]
+        assert all(len(e.logprobs) == len(e.token_ids) for e in tokens)
+        ids = [t for e in tokens for t in e.token_ids]
+        found = [lp for e in tokens for lp in e.logprobs]
+        prompt_ids = chat_pair[0].encode_prompt(prompt, chat=False)
+        alone = SpeculativeEngine(chat_pair[0]).generate(prompt_ids, sampling, SpecParams("none"), logprobs=2)
+        assert ids == alone.token_ids and len(found) == len(ids) > 0
+        tok = chat_pair[0].tokenizer
+        for t, lp, want in zip(ids, found, alone.logprobs):
+            assert lp.token == tok.decode([t]) and lp.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [x for x, _ in lp.top] == [tok.decode([i]) for i in want.top_ids]
+
+
 def test_a_retrieval_draft_service_is_lossless_and_gets_drafts_accepted(service_loop, chat_pair, target_service,
                                                                         tmp_path):
     """The draft service built from its settings (no model loaded) with a datastore of the
@@ -278,6 +314,17 @@ def test_client_going_away_frees_both_sessions(target_service, hf_draft_service)
         time.sleep(0.05)
     assert target_service.servicer.active_sessions == 0
     assert hf_draft_service.servicer.active_sessions == 0
+
+
+def test_logprobs_cross_the_coordinators_grpc_api():
+    from services.coordinator.api import Logprob, TokenEvent
+    from services.coordinator.convert import event_from_proto, event_to_proto, request_from_proto, request_to_proto
+
+    for asked in (None, 0, 3):
+        request = GenerateRequest(prompt="x", logprobs=asked)
+        assert request_from_proto(request_to_proto(request), "none").logprobs == asked
+    event = TokenEvent((4, 5), "ab", (Logprob("a", -0.5, (("a", -0.5), ("b", -1.25))), Logprob("b", -2.0)))
+    assert event_from_proto(event_to_proto(event)) == event
 
 
 def test_the_requests_tenant_reaches_the_targets_session(target_service, hf_draft_service):

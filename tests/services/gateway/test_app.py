@@ -104,6 +104,50 @@ def test_penalties_and_logit_bias_are_lossless_and_change_the_answer(http, body)
     assert alone["choices"] != plain["choices"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_are_the_target_alones_token_by_token(http, stream):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 30, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+
+    def answer(**extra) -> tuple[str, list[dict]]:
+        if not stream:
+            out = _chat(http, **body, **extra)
+            return out["choices"][0]["message"]["content"], out["choices"][0]["logprobs"]["content"]
+        with http.stream("POST", CHAT, json={**body, **extra, "stream": True}) as r:
+            chunks = [e for e in _events(r) if e != "[DONE]"]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        return text, [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                      for t in c["choices"][0]["logprobs"]["content"]]
+
+    alone_text, alone = answer(speculative={"enabled": False})
+    spec_text, spec = answer(speculative={"policy": "constant"})
+    assert spec_text == alone_text and len(spec) == len(alone) > 0
+    for a, b in zip(alone, spec):
+        assert a["token"] == b["token"] and a["bytes"] == list(a["token"].encode())
+        assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4) and b["logprob"] <= 0
+        assert [t["token"] for t in b["top_logprobs"]] == [t["token"] for t in a["top_logprobs"]]
+        assert len(b["top_logprobs"]) == 2 and b["top_logprobs"][0]["logprob"] >= b["logprob"] - 1e-6
+    assert "".join(t["token"] for t in spec) == spec_text  # the tiny tokenizer's tokens are whole characters
+
+
+def test_completion_logprobs_follow_the_completions_api(http):
+    out = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 12, "temperature": 0, "logprobs": 3}).json()
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == choice["text"]
+    assert all(len(top) <= 3 and max(top.values()) >= v - 1e-6 for top, v in zip(lp["top_logprobs"],
+                                                                                   lp["token_logprobs"]))
+    with http.stream("POST", COMPLETIONS, json={"prompt": "Hi", "max_tokens": 12, "temperature": 0, "logprobs": 3,
+                                                "stream": True}) as r:
+        chunks = [e for e in _events(r) if e != "[DONE]"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    plain = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 4, "temperature": 0}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
 def test_sampling_with_a_seed_is_reproducible(http):
     """The same seed gives the same text: whatever the policy (and the state it learnt from the
     request before), and the target alone's."""
@@ -134,7 +178,9 @@ BAD = [  # (route, body, param)
     (CHAT, {"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # longer than the context
     (CHAT, {"messages": HI, "n": 2}, "n"),
-    (CHAT, {"messages": HI, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    (CHAT, {"messages": HI, "logprobs": True, "speculative": {"branches": 2}}, "speculative.branches"),
     (CHAT, {"messages": HI, "stop": 5}, "stop"),
     (CHAT, {"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
     (CHAT, {"messages": HI, "frequency_penalty": -3}, "frequency_penalty"),
@@ -156,7 +202,7 @@ BAD = [  # (route, body, param)
     (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, "best_of"),
-    (COMPLETIONS, {"prompt": "Hi", "logprobs": 1}, "logprobs"),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
 ]
 

@@ -43,6 +43,19 @@ def test_chat_stream_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
 
 
+def test_the_sdk_reads_logprobs_and_sends_penalties(client):
+    kw = dict(model="tiny", messages=MESSAGES, temperature=0, max_tokens=16, logprobs=True, top_logprobs=2,
+              presence_penalty=0.5, frequency_penalty=0.2, logit_bias={"5": -100}, extra_body=SPEC)
+    out = client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert content and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    done = client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=8, logprobs=2)
+    assert len(done.choices[0].logprobs.tokens) == len(done.choices[0].logprobs.token_logprobs) > 0
+
+
 def test_completions(client):
     out = client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16)
     chunks = list(client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16,

@@ -95,6 +95,32 @@ def test_penalties_apply_at_every_position_the_target_drafts(chat_pair, drafting
     assert drafted > 0
 
 
+def test_logprobs_come_back_for_every_token_the_target_drafts_and_emits(chat_pair, drafting_target):
+    from services.coordinator.api import FinishEvent
+    from services.coordinator.coordinator import Coordinator, CoordinatorConfig
+
+    sampling = SamplingParams(max_new_tokens=32)
+
+    async def run(prompt):
+        coord = Coordinator(CoordinatorConfig(drafting_target.address, None), AsyncMemoryStateStore())
+        await coord.connect()
+        try:
+            return [ev async for ev in coord.generate(GenerateRequest(prompt=prompt, sampling=sampling,
+                                                                       spec=SpecParams("constant"), logprobs=1))]
+        finally:
+            await coord.close()
+
+    for prompt in PROMPTS:
+        events = asyncio.run(run(prompt))
+        finish, tokens = events[-1], [e for e in events if not isinstance(e, FinishEvent)]
+        ids = [t for e in tokens for t in e.token_ids]
+        found = [lp.logprob for e in tokens for lp in e.logprobs]
+        alone = SpeculativeEngine(chat_pair[0]).generate(chat_pair[0].encode_prompt(prompt, chat=False), sampling,
+                                                         SpecParams("none"), logprobs=1)
+        assert ids == alone.token_ids and finish.spec_stats["drafted_on_target"]
+        assert found == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
+
+
 def test_the_target_drafts_even_with_a_draft_service_configured(chat_pair, drafting_target, hf_draft_service):
     """The coordinator prefers the target's own lookups: no round trip to the draft service."""
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=24),

@@ -51,18 +51,20 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenTarget, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[CloseTarget, _Mapping]] = ...) -> None: ...
 
 class OpenTarget(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "features", "speculate", "tenant")
+    __slots__ = ("prompt_ids", "sampling", "features", "speculate", "tenant", "logprobs")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     features: bool
     speculate: LocalDrafting
     tenant: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ..., speculate: _Optional[_Union[LocalDrafting, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bool] = ..., speculate: _Optional[_Union[LocalDrafting, _Mapping]] = ..., tenant: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class LocalDrafting(_message.Message):
     __slots__ = ("policy", "policy_params", "max_draft_tokens", "policy_state", "max_length")
@@ -129,7 +131,7 @@ class TargetResponse(_message.Message):
     def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens", "accepted_tokens", "drafted")
+    __slots__ = ("verify_id", "num_accepted", "next_token", "num_strict", "js_distances", "forward_seconds", "batch_size", "decode_seconds_per_token", "prefill_seconds", "top_logprobs", "features", "batch_tokens", "accepted_tokens", "drafted", "emitted_logprobs")
     VERIFY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class Verified(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     verify_id: int
     num_accepted: int
     next_token: int
@@ -158,7 +161,18 @@ class Verified(_message.Message):
     batch_tokens: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
-    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ...) -> None: ...
+    emitted_logprobs: _containers.RepeatedCompositeFieldContainer[EmittedLogprob]
+    def __init__(self, verify_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., num_strict: _Optional[int] = ..., js_distances: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_seconds_per_token: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., batch_tokens: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., emitted_logprobs: _Optional[_Iterable[_Union[EmittedLogprob, _Mapping]]] = ...) -> None: ...
+
+class EmittedLogprob(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
     __slots__ = ("policy_state", "num_drafted", "draft_seconds")
