@@ -27,6 +27,7 @@ from specd.drafters.base import Drafter
 from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.grammar import Grammar
 from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias, penalize
 from specd.policies import (
@@ -138,6 +139,8 @@ class GenerationRun:
         # Draft trees (specd.tree); not under penalties, whose counts follow one chain, nor with
         # log-probabilities, which are a chain's.
         chains = sampling.adjusts_logits or logprobs is not None
+        self.grammar = (Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
+                        if sampling.grammar is not None else None)
         self.trees = TreePlanner(*shape) if shape[0] and not chains else None
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, where asked
@@ -206,7 +209,7 @@ class GenerationRun:
         emitted = drafts[:n] + [verdict.next_token]
         lps = (emitted_logprobs(logits[..., :self.target.emitted_vocab], emitted, self.top_logprobs)
                if self.top_logprobs is not None else None)
-        if self.replay is not None and k:
+        if self.replay is not None and k and steps:
             self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
                                            self.drafter.lora_version))
         # The caches keep committed + accepted tokens; the new token is fed next round.
@@ -222,7 +225,7 @@ class GenerationRun:
             self.costs.observe_target(fed, verify_s)
 
         stats.record_round(k, n, verdict.num_strict, verdict.num_relaxed, [s.entropy for s in steps])
-        if k or dropped is not None:
+        if steps or dropped is not None:
             self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
         return self._commit(emitted, lps)
 
@@ -273,6 +276,11 @@ class GenerationRun:
             return [], [], [], None, False
         # A round emits k + 1 tokens: never draft past max_new_tokens or the context.
         cap = min(self.policy.params.max_draft_tokens, self.max_len - committed - 1)
+        forced = self.grammar.forced(cap) if self.grammar is not None else []
+        if forced:  # what the grammar forces next: drafts with no drafter call and no policy
+            self.stats.grammar_drafted += len(forced)
+            self.seq += forced  # as draft_window appends its drafts, until they are verified
+            return forced, [None] * len(forced), [], None, False
         want_hidden = self.policy.needs_hidden or self.replay is not None
         w = draft_window(self.policy, self.draft_session, self.seq, self.sampling, self.generator, cap,
                          committed - self.prompt_len, want_hidden)
@@ -290,6 +298,9 @@ class GenerationRun:
         logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
         logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:committed],
                           drafts)
+        if self.grammar is not None:  # drafts past the first the grammar forbids are not judged
+            logits, kept = self.grammar.constrain(logits, drafts)
+            drafts, logits, q = drafts[:kept], logits[:kept + 1], q[:kept] if q is not None else None
         threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
         return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
                              committed)
@@ -306,6 +317,8 @@ class GenerationRun:
                 out, self.finish_reason = out[:kept], "stop"
         if lps is not None:
             self.logprobs += lps[:len(out)]
+        if self.grammar is not None:
+            self.grammar.commit(out)
         return out
 
     # -- results ----------------------------------------------------------------------------

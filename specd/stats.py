@@ -31,6 +31,7 @@ class GenerationStats:
     lossy: bool = False  # output may differ from the target alone (relaxed verification)
     tree_rounds: int = 0  # rounds verified as a draft tree (chain plus side branches)
     branch_accepted: int = 0  # of those, rounds whose accepted path left the policy's chain
+    grammar_drafted: int = 0  # drafts the grammar forced (structured output), counted in drafted too
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -86,6 +87,7 @@ class GenerationStats:
             "verifications": self.verifications,
             "tree_rounds": self.tree_rounds,
             "branch_accepted": self.branch_accepted,
+            "grammar_drafted": self.grammar_drafted,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "draft_lengths": list(self.draft_lengths),

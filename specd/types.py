@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import InvalidRequest
+from specd.grammar import GrammarSpec
 
 # Limits of what one request may ask, checked before any work (and before any conversion to
 # protobuf, whose integers and strings are narrower than JSON's and Python's).
@@ -68,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None  # structured output: the target's logits masked (specd.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -75,9 +77,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits are changed before they are judged (penalties, a bias)."""
+        """Whether the logits are changed before they are judged (penalties, a bias, a grammar)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.grammar)
 
     @property
     def coupled(self) -> bool:
@@ -119,6 +121,8 @@ class SamplingParams:
                 raise InvalidRequest("logit_bias", f"keys are token ids >= 0, got {token}")
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 raise InvalidRequest("logit_bias", f"biases must be in [-100, 100], got {bias} for token {token}")
+        if self.grammar is not None:
+            self.grammar.validate()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from services.proto.specd.common.v1 import common_pb2
+from specd.grammar import GrammarSpec
 from specd.models.loading import LoadedModel, tokenizer_fingerprint
 from specd.types import SamplingParams
 
@@ -25,6 +26,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.Sampling:
         msg.frequency_penalty = s.frequency_penalty
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
+    if s.grammar is not None:
+        msg.grammar.kind, msg.grammar.schema = s.grammar.kind, s.grammar.schema
     return msg
 
 
@@ -35,7 +38,8 @@ def sampling_from_proto(msg: common_pb2.Sampling, max_new_tokens: int = 1,
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, seed, max_new_tokens, stop,
                           msg.presence_penalty, msg.frequency_penalty,
                           msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-                          tuple(sorted(msg.logit_bias.items())))
+                          tuple(sorted(msg.logit_bias.items())),
+                          GrammarSpec(msg.grammar.kind, msg.grammar.schema) if msg.HasField("grammar") else None)
 
 
 def distribution_to_proto(q: torch.Tensor) -> common_pb2.Distribution:

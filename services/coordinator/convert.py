@@ -11,7 +11,8 @@ from specd.types import SpecParams
 _STAT_FIELDS = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens",
                 "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "fallback_kind",
                 "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s",
-                "relaxed_accepted", "discarded", "tree_rounds", "branch_accepted", "drafted_on_target")
+                "relaxed_accepted", "discarded", "tree_rounds", "branch_accepted", "drafted_on_target",
+                "grammar_drafted")
 
 
 def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> GenerateRequest:

@@ -280,61 +280,145 @@ async def prometheus_metrics(gw: GatewayDep) -> Response:
 
 async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: bool):
     record = getattr(request.state, "api_key", None)  # authenticated before the body was read
+    n = body.n or 1
     # Over the gateway's limit: 503 at once, before any work; over the key's share of it: 429.
-    release = gw.admission.enter(record.name if record is not None else None,
-                                 record.limits.concurrent_requests if record is not None else 0)
+    # Each of the n choices is a generation of its own (a KV slot each).
+    release = _enter(gw.admission, record, n)
     streaming = False
     try:
         gen = convert.generate_request(body, default_policy=gw.default_policy,
                                        max_tokens_limit=gw.max_tokens_limit)
         # Over the key's limits: 429 at once. The lease ends the admission and the key's lease.
-        lease = await gw.auth.admit(request, gen.sampling.max_new_tokens, release)
-        release = lease.close
+        lease = await gw.auth.admit(request, n * gen.sampling.max_new_tokens, release)
+        lease.choices, release = n, lease.close
         gen = await gw.auth.scope_task_tag(request, gen)  # the key's own tags, capped (after admission)
         if record is not None:  # the target's fair share of KV slots is kept per key
             gen = dataclasses.replace(gen, tenant=key_label(record.name))
-        events = gw.backend.generate(gen)
-        try:
-            first = await anext(events)  # a bad request raises here, before any byte is sent
+        sources = [gw.backend.generate(g) for g in convert.choices(gen, n)]
+        try:  # a bad request raises here, before any byte is sent
+            firsts = await asyncio.gather(*(anext(events) for events in sources))
         except BaseException:
             lease.used = 0  # nothing generated: the key gets its tokens back
-            await _aclose(events)
+            for events in sources:
+                await _aclose(events)
             raise
+        merged = _interleave([_chain(first, events) for first, events in zip(firsts, sources)])
         env = convert.Envelope.new(chat, gw.backend.model_card().id)
         if body.stream:
-            to_chunks = convert.stream_chunks(env, chat, body.include_usage)
-            head = convert.chat_head(env) if chat else []
+            per_choice = body.include_usage and n == 1  # n > 1: one usage chunk after every choice
+            chunkers = [convert.stream_chunks(env, chat, per_choice, i) for i in range(n)]
+            head = convert.chat_head(env, n) if chat else []
+            tail = (lambda finishes: [convert.usage_chunk(env, chat, finishes)]) if body.include_usage and n > 1 \
+                else (lambda finishes: [])
             streaming = True  # the stream releases its admission when it ends, however it ends
-            return EventStream(_sse(request, events, first, head, lambda event: to_chunks(lease.observe(event))),
+            return EventStream(_sse(request, merged, head, lambda i, event: chunkers[i](lease.observe(event)), tail),
                                on_close=release, send_timeout_s=gw.stream_send_timeout_s)
         try:
-            text, finish, found = await _collect(request, first, events, lease.observe)
+            answers = await _collect(request, merged, n, lease.observe)
         finally:
-            await _aclose(events)
-        lease.observe(finish)
-        found = found if gen.logprobs is not None else None
-        return (convert.chat_completion(env, text, finish, found) if chat
-                else convert.completion(env, text, finish, found))
+            await _aclose(merged)
+        for a in answers:
+            lease.observe(a.finish)
+        if gen.logprobs is None:
+            answers = [dataclasses.replace(a, logprobs=None) for a in answers]
+        return convert.chat_completion(env, answers) if chat else convert.completion(env, answers)
     finally:
         if not streaming:
             release()
 
 
-async def _collect(request: Request, first: Event, events: AsyncIterator[Event],
-                   observe=lambda event: event) -> tuple[str, FinishEvent, list[Logprob]]:
-    """The whole answer (its text, its finish and its tokens' log-probabilities, where asked),
-    or ClientDisconnect as soon as the client leaves: nobody would read it, and closing the
-    backend iterator frees the session now rather than at the end. observe: each token event,
-    as it comes (the key's lease counts what a cut answer cost)."""
+def _enter(admission: Admission, record, n: int) -> Callable[[], None]:
+    """n admissions of one request, all or none (each one's refusal as Admission.enter raises)."""
+    releases: list[Callable[[], None]] = []
+    try:
+        for _ in range(n):
+            releases.append(admission.enter(record.name if record is not None else None,
+                                            record.limits.concurrent_requests if record is not None else 0))
+    except BaseException:
+        for r in releases:
+            r()
+        raise
+    if n == 1:
+        return releases[0]
+
+    def release_all() -> None:
+        for r in releases:
+            r()
+
+    return release_all
+
+
+async def _chain(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """first, then the rest of events; closing it closes events."""
+    try:
+        yield first
+        event = first
+        while not isinstance(event, FinishEvent):  # the backend's last event: nothing follows
+            event = await anext(events)
+            yield event
+    finally:
+        await _aclose(events)
+
+
+async def _interleave(sources: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice, event) of every source as it comes; closing it closes them all. Each source
+    runs at most one event ahead of the reader, so a slow reader slows the generations."""
+    if len(sources) == 1:
+        try:
+            async for event in sources[0]:
+                yield 0, event
+        finally:
+            await _aclose(sources[0])
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sources))
+    done = object()
+
+    async def pump(i: int, source: AsyncIterator[Event]) -> None:
+        try:
+            async for event in source:
+                await queue.put((i, event))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, e))
+        finally:
+            await _aclose(source)
+        await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, source)) for i, source in enumerate(sources)]
+    try:
+        left = len(sources)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(request: Request, merged: AsyncIterator[tuple[int, Event]], n: int,
+                   observe=lambda event: event) -> list[convert.Answer]:
+    """Every choice whole (its text, its finish, its tokens' log-probabilities), or
+    ClientDisconnect as soon as the client leaves: nobody would read it, and closing the backend
+    iterators frees the sessions now rather than at the end. observe: each token event, as it
+    comes (the key's lease counts what a cut answer cost)."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    found: list[list[Logprob]] = [[] for _ in range(n)]
+    finishes: list[FinishEvent | None] = [None] * n
     with anyio.CancelScope() as scope:
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, scope))
         try:
-            parts, found, event = [], [], first
-            while not isinstance(event, FinishEvent):
-                parts.append(observe(event).text)
-                found += event.logprobs
-                event = await anext(events)
-            return "".join(parts), event, found
+            async for i, event in merged:
+                if isinstance(event, FinishEvent):
+                    finishes[i] = event
+                else:
+                    parts[i].append(observe(event).text)
+                    found[i] += event.logprobs
+            return [convert.Answer("".join(p), f, lp) for p, f, lp in zip(parts, finishes, found)]
         finally:
             watcher.cancel()
     raise ClientDisconnect()  # reached only when the watcher cancelled the scope
@@ -346,26 +430,29 @@ async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
-async def _sse(request: Request, events: AsyncIterator[Event], first: Event, head: list[BaseModel],
-               chunks: Callable[[Event], list[BaseModel]]) -> AsyncIterator[str]:
+async def _sse(request: Request, merged: AsyncIterator[tuple[int, Event]], head: list[BaseModel],
+               chunks: Callable[[int, Event], list[BaseModel]],
+               tail: Callable[[list[FinishEvent]], list[BaseModel]]) -> AsyncIterator[str]:
     """`data: {json}` per chunk, then `data: [DONE]`; an error after the stream started can
-    only be reported in-stream, as OpenAI does: `data: {"error": ...}`."""
+    only be reported in-stream, as OpenAI does: `data: {"error": ...}`. tail: the chunks after
+    every choice finished."""
     try:
         for chunk in head:
             yield _data(chunk.model_dump_json())
-        event = first
-        while True:
-            for chunk in chunks(event):
+        finishes = []
+        async for i, event in merged:
+            for chunk in chunks(i, event):
                 yield _data(chunk.model_dump_json())
             if isinstance(event, FinishEvent):
-                break
-            event = await anext(events)
+                finishes.append(event)
+        for chunk in tail(finishes):
+            yield _data(chunk.model_dump_json())
         yield _data("[DONE]")
     except Exception as exc:  # noqa: BLE001 - any error, once streaming, can only go in-stream
         _, body = errors.describe(exc, request)
         yield _data(json.dumps(body))
     finally:
-        await _aclose(events)
+        await _aclose(merged)
 
 
 def _data(payload: str) -> str:

@@ -59,15 +59,20 @@ class Lease:
                  lease_id: str = "", charged: int = 0) -> None:
         self._release, self._auth, self._record = release, auth, record
         self._lease_id, self._charged = lease_id, charged
-        self.used: int | None = None  # completion tokens, once the finish event was seen
+        self.used: int | None = None  # completion tokens, once every choice's finish event was seen
         self.prompt = 0  # prompt tokens, from the finish event
         self.streamed = 0  # tokens of the token events seen: what a cut stream cost
+        self.choices = 1  # the request's n: generations whose finish events settle it
+        self._finished, self._completed = 0, 0
         self._closed = False
 
     def observe(self, event: Event) -> Event:
         """Pass an event through, noting the tokens it carries (a cut stream is settled by them)."""
         if isinstance(event, FinishEvent):
-            self.used, self.prompt = event.completion_tokens, event.prompt_tokens
+            self._finished, self._completed = self._finished + 1, self._completed + event.completion_tokens
+            self.prompt = event.prompt_tokens
+            if self._finished >= self.choices:
+                self.used = self._completed
         elif isinstance(event, TokenEvent):
             self.streamed += len(event.token_ids)
         return event

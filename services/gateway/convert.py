@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel
 
@@ -41,7 +41,7 @@ from services.gateway.schemas import (
 )
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION
-from specd.types import SamplingParams, SpecParams
+from specd.types import MAX_SEED, SamplingParams, SpecParams
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
@@ -67,6 +67,16 @@ def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int
     return gen
 
 
+def choices(gen: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The n generations of a request asking for n choices. With a seed, choice i samples with
+    seed + i (mod 2**63), so that each text is reproducible and the choices differ; choice 0 is
+    the request's own."""
+    seed = gen.sampling.seed
+    if n == 1 or seed is None:
+        return [gen] * n
+    return [replace(gen, sampling=replace(gen.sampling, seed=(seed + i) % (MAX_SEED + 1))) for i in range(n)]
+
+
 def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
     name, max_tokens = "max_tokens", req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
@@ -86,6 +96,7 @@ def sampling_params(req: Request, max_tokens_limit: int) -> SamplingParams:
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias_pairs,
+        grammar=req.response_format.grammar() if getattr(req, "response_format", None) is not None else None,
     )
 
 
@@ -108,11 +119,6 @@ class Envelope:
     def new(cls, chat: bool, model: str) -> Envelope:
         prefix = "chatcmpl" if chat else "cmpl"
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
-
-
-def usage(finish: FinishEvent) -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens)
 
 
 def chat_logprobs(found: Sequence[Logprob] | None) -> ChatLogprobs | None:
@@ -141,56 +147,86 @@ def completion_logprobs(found: Sequence[Logprob] | None, offset: int = 0) -> Com
                               top_logprobs=tops, text_offset=offsets)
 
 
-def chat_completion(env: Envelope, text: str, finish: FinishEvent,
-                    found: Sequence[Logprob] | None = None) -> ChatCompletion:
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish.finish_reason,
-                        logprobs=chat_logprobs(found))
-    return ChatCompletion(id=env.id, created=env.created, model=env.model, choices=[choice],
-                          usage=usage(finish), spec_stats=finish.spec_stats)
+@dataclass(frozen=True)
+class Answer:
+    """One whole choice: its text, how it ended, its tokens' log-probabilities (None: not asked)."""
+
+    text: str
+    finish: FinishEvent
+    logprobs: Sequence[Logprob] | None = None
 
 
-def completion(env: Envelope, text: str, finish: FinishEvent,
-               found: Sequence[Logprob] | None = None) -> Completion:
-    choice = CompletionChoice(text=text, finish_reason=finish.finish_reason, logprobs=completion_logprobs(found))
-    return Completion(id=env.id, created=env.created, model=env.model, choices=[choice],
-                      usage=usage(finish), spec_stats=finish.spec_stats)
+def usage_of(finishes: Sequence[FinishEvent]) -> Usage:
+    """The usage of a request's choices: one prompt, every choice's tokens."""
+    prompt, completion_tokens = finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
 
 
-def chat_head(env: Envelope) -> list[ChatCompletionChunk]:
-    """The first chunk announces the assistant's role, as OpenAI's does."""
-    return [_chat_chunk(env, [ChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+def spec_stats_of(finishes: Sequence[FinishEvent]) -> dict:
+    """The first choice's statistics; with several choices, each one's in `per_choice` too."""
+    if len(finishes) == 1:
+        return finishes[0].spec_stats
+    return {**finishes[0].spec_stats, "per_choice": [f.spec_stats for f in finishes]}
 
 
-def chat_chunks(env: Envelope, event: Event, include_usage: bool) -> list[ChatCompletionChunk]:
+def chat_completion(env: Envelope, answers: Sequence[Answer]) -> ChatCompletion:
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=a.text), finish_reason=a.finish.finish_reason,
+                          logprobs=chat_logprobs(a.logprobs)) for i, a in enumerate(answers)]
+    finishes = [a.finish for a in answers]
+    return ChatCompletion(id=env.id, created=env.created, model=env.model, choices=choices,
+                          usage=usage_of(finishes), spec_stats=spec_stats_of(finishes))
+
+
+def completion(env: Envelope, answers: Sequence[Answer]) -> Completion:
+    choices = [CompletionChoice(index=i, text=a.text, finish_reason=a.finish.finish_reason,
+                                logprobs=completion_logprobs(a.logprobs)) for i, a in enumerate(answers)]
+    finishes = [a.finish for a in answers]
+    return Completion(id=env.id, created=env.created, model=env.model, choices=choices,
+                      usage=usage_of(finishes), spec_stats=spec_stats_of(finishes))
+
+
+def chat_head(env: Envelope, n: int = 1) -> list[ChatCompletionChunk]:
+    """The first chunks announce the assistant's role, one per choice, as OpenAI's do."""
+    return [_chat_chunk(env, [ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(n)]
+
+
+def chat_chunks(env: Envelope, event: Event, include_usage: bool, index: int = 0) -> list[ChatCompletionChunk]:
     if isinstance(event, TokenEvent):
         found = chat_logprobs(event.logprobs) if event.logprobs else None
-        return [_chat_chunk(env, [ChunkChoice(delta=ChatDelta(content=event.text), logprobs=found)])] \
+        return [_chat_chunk(env, [ChunkChoice(index=index, delta=ChatDelta(content=event.text), logprobs=found)])] \
             if event.text or found else []
-    last = _chat_chunk(env, [ChunkChoice(delta=ChatDelta(), finish_reason=event.finish_reason)],
+    last = _chat_chunk(env, [ChunkChoice(index=index, delta=ChatDelta(), finish_reason=event.finish_reason)],
                        spec_stats=event.spec_stats)
-    return [last, _chat_chunk(env, [], usage=usage(event))] if include_usage else [last]
+    return [last, usage_chunk(env, True, [event])] if include_usage else [last]
 
 
-def completion_chunks(env: Envelope, event: Event, include_usage: bool, offset: int = 0) -> list[Completion]:
+def completion_chunks(env: Envelope, event: Event, include_usage: bool, offset: int = 0,
+                      index: int = 0) -> list[Completion]:
     """offset: characters of the completion streamed before this event (its logprobs' text_offset)."""
     if isinstance(event, TokenEvent):
         found = completion_logprobs(event.logprobs, offset) if event.logprobs else None
-        return [_completion_chunk(env, [CompletionChoice(text=event.text, logprobs=found)])] \
+        return [_completion_chunk(env, [CompletionChoice(index=index, text=event.text, logprobs=found)])] \
             if event.text or found else []
-    last = _completion_chunk(env, [CompletionChoice(text="", finish_reason=event.finish_reason)],
+    last = _completion_chunk(env, [CompletionChoice(index=index, text="", finish_reason=event.finish_reason)],
                              spec_stats=event.spec_stats)
-    return [last, _completion_chunk(env, [], usage=usage(event))] if include_usage else [last]
+    return [last, usage_chunk(env, False, [event])] if include_usage else [last]
 
 
-def stream_chunks(env: Envelope, chat: bool, include_usage: bool) -> Callable[[Event], list[BaseModel]]:
-    """The chunks of each event of one streamed answer, in order."""
+def usage_chunk(env: Envelope, chat: bool, finishes: Sequence[FinishEvent]) -> BaseModel:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    chunk = _chat_chunk if chat else _completion_chunk
+    return chunk(env, [], usage=usage_of(finishes))
+
+
+def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0) -> Callable[[Event], list[BaseModel]]:
+    """The chunks of each event of one streamed choice, in order."""
     if chat:
-        return lambda event: chat_chunks(env, event, include_usage)
+        return lambda event: chat_chunks(env, event, include_usage, index)
     streamed = 0
 
     def chunks(event: Event) -> list[BaseModel]:
         nonlocal streamed
-        out = completion_chunks(env, event, include_usage, streamed)
+        out = completion_chunks(env, event, include_usage, streamed, index)
         streamed += len(event.text) if isinstance(event, TokenEvent) else 0
         return out
 

@@ -13,11 +13,13 @@ rather than after every item was validated.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.coordinator.api import MAX_MESSAGES
+from specd.grammar import GrammarSpec
 from specd.logprobs import MAX_TOP_LOGPROBS
 from specd.types import (
     MAX_BRANCHES,
@@ -51,10 +53,7 @@ def _only(*allowed: Any) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _one(n: int | None) -> int | None:
-    if n not in (None, 1):
-        raise ValueError(f"only n=1 is supported, got {n}")
-    return n
+MAX_CHOICES = 16  # n: each choice is a generation of its own, with its own KV slot
 
 
 class SpeculativeOptions(BaseModel):
@@ -99,7 +98,8 @@ class _Knobs(BaseModel):
         None, description=f"up to {MAX_STOP_STRINGS} strings; generation stops before the first")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int | None, AfterValidator(_one)] = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices to generate; with a seed, choice i "
+                                                                   "samples with seed + i")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0,
                                            description="subtracted from the logit of every token already "
                                                        "generated (speculation applies it at every drafted "
@@ -142,6 +142,34 @@ class _Knobs(BaseModel):
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict = Field(alias="schema", description="the JSON schema the answer follows")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _for_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema, and only with it")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        return GrammarSpec("json_schema", json.dumps(self.json_schema.json_schema))
 
 
 class ChatMessage(BaseModel):
@@ -209,8 +237,8 @@ class ChatCompletionRequest(_Knobs):
     tool_choice: Annotated[Any, _only(None, "none")] = None
     functions: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
     function_call: Annotated[Any, _only(None, "none")] = None
-    response_format: Annotated[Annotated[dict, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None,
-                               _only(None, {"type": "text"})] = None
+    response_format: ResponseFormat | None = Field(None, description="structured output: json_object or "
+                                                                     "json_schema constrains the answer")
 
 
 class CompletionRequest(_Knobs):

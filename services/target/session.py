@@ -11,6 +11,7 @@ from specd.dvi import top_logprobs
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
+from specd.grammar import Grammar
 from specd.logprobs import check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias, penalize
 from specd.sampling import request_generator
@@ -31,6 +32,8 @@ class TargetSession:
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.prompt_len = len(prompt)
+        self.grammar = (Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
+                        if sampling.grammar is not None else None)
         self.kv = target.session()
         check_logprobs(logprobs, SpecParams())
         self.logprobs = logprobs  # return emitted tokens' log-probabilities with this many alternatives
@@ -149,11 +152,16 @@ class TargetSession:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
         committed = len(self.seq)
         logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:], drafts)
+        if self.grammar is not None:  # drafts past the first the grammar forbids are not judged
+            logits, kept = self.grammar.constrain(logits, drafts)
+            drafts, logits, q = drafts[:kept], logits[:kept + 1], q[:kept] if q is not None else None
         verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
                                 committed, best)
         n = verdict.num_accepted
         self.kv.rollback(committed + n)
         self.seq += drafts[:n] + [verdict.next_token]
+        if self.grammar is not None:
+            self.grammar.commit(drafts[:n] + [verdict.next_token])
         return verdict
 
     def committed_features(self, start: int, hidden: torch.Tensor, verdict: Verdict) -> tuple[int, torch.Tensor]:

@@ -126,6 +126,32 @@ def test_logprobs_through_the_services_are_the_target_alones(chat_pair, target_s
             assert [x for x, _ in lp.top] == [tok.decode([i]) for i in want.top_ids]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("drafter", ["hf", "ngram"])
+def test_a_grammar_through_the_services_is_the_target_alones(chat_pair, target_service, hf_draft_service,
+                                                             ngram_draft_service, drafter, overlap):
+    """The target masks every window position with the grammar after the drafts before it,
+    whatever the draft service proposed: the answer is the in-process target alone's."""
+    import json
+
+    from specd.grammar import GrammarSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    draft = hf_draft_service if drafter == "hf" else ngram_draft_service
+    sampling = SamplingParams(max_new_tokens=48, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    drafted = 0
+    for prompt in (PROMPTS[0], "the cat sat"):
+        ids = chat_pair[0].encode_prompt(prompt, chat=False)
+        want = SpeculativeEngine(chat_pair[0]).generate(ids, sampling, SpecParams("none"))
+        got, finish = generate(target_service.address, draft.address,
+                               GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant"),
+                                               overlap=overlap))
+        assert got == want.token_ids and want.text.startswith("{") and not finish.spec_stats["fallback"]
+        drafted += finish.spec_stats["drafted"]
+    assert drafted > 0
+
+
 def test_a_retrieval_draft_service_is_lossless_and_gets_drafts_accepted(service_loop, chat_pair, target_service,
                                                                         tmp_path):
     """The draft service built from its settings (no model loaded) with a datastore of the

@@ -148,6 +148,57 @@ def test_completion_logprobs_follow_the_completions_api(http):
     assert plain["choices"][0]["logprobs"] is None
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+], ids=["json_object", "json_schema"])
+def test_structured_output_is_lossless_and_follows_the_grammar(http, response_format):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 80, "temperature": 0,
+            "response_format": response_format}
+    alone = _chat(http, **body, speculative={"enabled": False})
+    spec = _chat(http, **body, speculative={"policy": "constant"})
+    assert spec["choices"] == alone["choices"]
+    text = spec["choices"][0]["message"]["content"]
+    assert text.startswith("{") and spec["spec_stats"]["grammar_drafted"] > 0
+    if spec["choices"][0]["finish_reason"] == "stop":
+        value = json.loads(text)
+        assert "json_schema" not in response_format or set(value) == {"name", "age"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_n_choices_are_each_the_target_alones_with_seed_plus_i(http, route, stream):
+    prompt = {"messages": [{"role": "user", "content": "Hello"}]} if route == CHAT else {"prompt": "Hi"}
+    body = {**prompt, "max_tokens": 20, "temperature": 0.9, "seed": 40, "stream_options": {"include_usage": True}}
+
+    def texts(**extra) -> tuple[list[str], dict]:
+        if not stream:
+            out = http.post(route, json={**body, **extra}).json()
+            assert [c["index"] for c in out["choices"]] == list(range(len(out["choices"])))
+            key = "message" if route == CHAT else None
+            return [c["message"]["content"] if key else c["text"] for c in out["choices"]], out["usage"]
+        with http.stream("POST", route, json={**body, **extra, "stream": True}) as r:
+            chunks = [e for e in _events(r) if e != "[DONE]"]
+        n = extra.get("n", 1)
+        parts = [""] * n
+        for c in chunks:
+            for choice in c["choices"]:
+                parts[choice["index"]] += choice["delta"].get("content", "") if route == CHAT else choice["text"]
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        assert len(usage) == 1 and not chunks[-1]["choices"]  # one usage chunk, last
+        return parts, usage[0]
+
+    many, usage = texts(n=3, speculative={"policy": "constant"})
+    singles = [texts(seed=40 + i, speculative={"enabled": False}) for i in range(3)]
+    assert many == [t[0][0] for t in singles] and len(set(many)) > 1
+    assert usage["completion_tokens"] == sum(t[1]["completion_tokens"] for t in singles)
+    assert usage["prompt_tokens"] == singles[0][1]["prompt_tokens"]
+
+
 def test_sampling_with_a_seed_is_reproducible(http):
     """The same seed gives the same text: whatever the policy (and the state it learnt from the
     request before), and the target alone's."""
@@ -177,11 +228,18 @@ BAD = [  # (route, body, param)
      "messages.0.content"),
     (CHAT, {"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # longer than the context
-    (CHAT, {"messages": HI, "n": 2}, "n"),
+    (CHAT, {"messages": HI, "n": 17}, "n"),
+    (CHAT, {"messages": HI, "n": 0}, "n"),
     (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     (CHAT, {"messages": HI, "logprobs": True, "speculative": {"branches": 2}}, "speculative.branches"),
     (CHAT, {"messages": HI, "stop": 5}, "stop"),
+    (CHAT, {"messages": HI, "response_format": {"type": "yaml"}}, "response_format.type"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema"}}, "response_format"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
+     "response_format"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_object"}, "speculative": {"branches": 2}},
+     "speculative.branches"),
     (CHAT, {"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
     (CHAT, {"messages": HI, "frequency_penalty": -3}, "frequency_penalty"),
     (CHAT, {"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),

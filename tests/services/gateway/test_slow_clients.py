@@ -165,6 +165,20 @@ def test_a_stream_whose_unread_chunks_fit_in_the_buffers_is_ended_after_the_time
         reader.close()
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_every_choice_of_its_request(run, stream):
+    backend = Trickling()
+    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=8, stream_send_timeout_s=1.0)
+    server = run(app)
+    admission = app.state.gateway.admission
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "n": 3, "stream": %s, "max_tokens": %d}' % (
+        b"true" if stream else b"false", ENDLESS)
+    client = _raw_request(server.port, body)
+    assert _wait(lambda: admission.in_flight == 3)  # one admission per choice
+    client.close()  # gone: every choice's generation is closed, every admission released
+    assert _wait(lambda: admission.in_flight == 0 and backend.closed == 3, 20), (admission.in_flight, backend.closed)
+
+
 def test_a_large_body_is_parsed_off_the_loop_a_bounded_number_at_a_time(run):
     app = create_app(Generating(), max_concurrent_parses=1)
     server = run(app)

@@ -121,6 +121,16 @@ def test_logprobs_come_back_for_every_token_the_target_drafts_and_emits(chat_pai
         assert found == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
 
 
+def test_a_grammar_masks_what_the_target_drafts_itself(chat_pair, drafting_target):
+    from specd.grammar import GrammarSpec
+
+    sampling = SamplingParams(max_new_tokens=48, grammar=GrammarSpec("json_object"))
+    for prompt in PROMPTS:
+        ids, finish = generate(drafting_target.address, None,
+                               GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant")))
+        assert ids == reference(chat_pair[0], prompt, sampling) and finish.spec_stats["drafted_on_target"]
+
+
 def test_the_target_drafts_even_with_a_draft_service_configured(chat_pair, drafting_target, hf_draft_service):
     """The coordinator prefers the target's own lookups: no round trip to the draft service."""
     request = GenerateRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=24),

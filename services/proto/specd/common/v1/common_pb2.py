@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/common/v1/common.proto\x12\x0fspecd.common.v1\"\xeb\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.specd.common.v1.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"f\n\x0c\x44istribution\x12\x13\n\tdense_f32\x18\x01 \x01(\x0cH\x00\x12\x35\n\x06sparse\x18\x02 \x01(\x0b\x32#.specd.common.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"J\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"5\n\x12SparseDistribution\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x88\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\r\n\x0bInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/common/v1/common.proto\x12\x0fspecd.common.v1\"\x96\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.specd.common.v1.Sampling.LogitBiasEntry\x12)\n\x07grammar\x18\t \x01(\x0b\x32\x18.specd.common.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\'\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\"f\n\x0c\x44istribution\x12\x13\n\tdense_f32\x18\x01 \x01(\x0cH\x00\x12\x35\n\x06sparse\x18\x02 \x01(\x0b\x32#.specd.common.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"J\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"5\n\x12SparseDistribution\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x88\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\r\n\x0bInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLING']._serialized_start=50
-  _globals['_SAMPLING']._serialized_end=413
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=290
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=338
-  _globals['_DISTRIBUTION']._serialized_start=415
-  _globals['_DISTRIBUTION']._serialized_end=517
-  _globals['_TOPLOGPROBS']._serialized_start=519
-  _globals['_TOPLOGPROBS']._serialized_end=563
-  _globals['_FEATURES']._serialized_start=565
-  _globals['_FEATURES']._serialized_end=639
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=641
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=694
-  _globals['_MODELINFO']._serialized_start=697
-  _globals['_MODELINFO']._serialized_end=833
-  _globals['_INFOREQUEST']._serialized_start=835
-  _globals['_INFOREQUEST']._serialized_end=848
+  _globals['_SAMPLING']._serialized_end=456
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=333
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=381
+  _globals['_GRAMMAR']._serialized_start=458
+  _globals['_GRAMMAR']._serialized_end=497
+  _globals['_DISTRIBUTION']._serialized_start=499
+  _globals['_DISTRIBUTION']._serialized_end=601
+  _globals['_TOPLOGPROBS']._serialized_start=603
+  _globals['_TOPLOGPROBS']._serialized_end=647
+  _globals['_FEATURES']._serialized_start=649
+  _globals['_FEATURES']._serialized_end=723
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=725
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=778
+  _globals['_MODELINFO']._serialized_start=781
+  _globals['_MODELINFO']._serialized_end=917
+  _globals['_INFOREQUEST']._serialized_start=919
+  _globals['_INFOREQUEST']._serialized_end=932
 # @@protoc_insertion_point(module_scope)

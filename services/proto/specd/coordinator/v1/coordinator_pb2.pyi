@@ -127,7 +127,7 @@ class Finish(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded", "fallback_kind", "tree_rounds", "branch_accepted", "drafted_on_target")
+    __slots__ = ("policy", "drafter", "drafted", "accepted", "verifications", "mean_accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "fallback", "fallback_reason", "overlap", "lossy", "wall_time_s", "tokens_per_s", "draft_wait_s", "verify_wait_s", "relaxed_accepted", "discarded", "fallback_kind", "tree_rounds", "branch_accepted", "drafted_on_target", "grammar_drafted")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class SpecStats(_message.Message):
     TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_ON_TARGET_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     policy: str
     drafter: str
     drafted: int
@@ -174,4 +175,5 @@ class SpecStats(_message.Message):
     tree_rounds: int
     branch_accepted: int
     drafted_on_target: bool
-    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ..., fallback_kind: _Optional[str] = ..., tree_rounds: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., drafted_on_target: _Optional[bool] = ...) -> None: ...
+    grammar_drafted: int
+    def __init__(self, policy: _Optional[str] = ..., drafter: _Optional[str] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verifications: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., lossy: _Optional[bool] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., relaxed_accepted: _Optional[int] = ..., discarded: _Optional[int] = ..., fallback_kind: _Optional[str] = ..., tree_rounds: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., drafted_on_target: _Optional[bool] = ..., grammar_drafted: _Optional[int] = ...) -> None: ...
