@@ -352,6 +352,7 @@ class RequestLoop:
                 if source == "target" and msg.WhichOneof("kind") == "closed":
                     self.policy_state = dict(msg.closed.policy_state)
                     self.stats.drafted_total = msg.closed.num_drafted
+                    self.stats.grammar_drafted = msg.closed.grammar_drafted
                     break
                 if source == "target_error":
                     break

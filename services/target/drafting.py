@@ -15,6 +15,7 @@ from services.proto.specd.target.v1 import target_pb2
 from specd.costs import CostCurve, LoadFit
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
+from specd.grammar import Grammar
 from specd.policies import NO_SPECULATION, PolicyResources, check_spec, policy_class, request_policy
 from specd.round import DraftedWindow, draft_window
 from specd.sampling import request_generator
@@ -46,16 +47,24 @@ class LocalDrafting:
         self.round_started: float | None = None
         self.emitted = 0  # tokens the last round emitted
         self.num_drafted = 0
+        self.grammar_drafted = 0  # of those, drafts the grammar forced (structured output)
         self.draft_seconds = 0.0
 
-    def draft(self, seq: list[int]) -> list[int]:
-        """Start a round: the window after the committed tokens seq (seq itself is kept)."""
+    def draft(self, seq: list[int], grammar: Grammar | None = None) -> list[int]:
+        """Start a round: the window after the committed tokens seq (seq itself is kept); where
+        the session's grammar forces what follows, those tokens, with no drafter call."""
         self.settle()
         now = time.perf_counter()
         if self.round_started is not None:  # the last round, from its drafting to this one's
             self.policy.observe_pace(self.emitted, now - self.round_started, self.window.ran)
         self.round_started = now
         cap = min(self.policy.params.max_draft_tokens, self.max_length - len(seq) - 1)
+        forced = grammar.forced(cap) if grammar is not None else []
+        if forced:  # no policy step to observe: the next settle finds an empty window
+            self.window = DraftedWindow()
+            self.num_drafted += len(forced)
+            self.grammar_drafted += len(forced)
+            return forced
         self.window = draft_window(self.policy, self.session, list(seq), self.sampling, self.generator, cap,
                                    len(seq) - self.prompt_len)
         self.num_drafted += len(self.window.tokens)
@@ -86,7 +95,7 @@ class LocalDrafting:
         """What the session ends with: the policy's state to save, what it drafted."""
         self.settle()
         return target_pb2.TargetClosed(policy_state=self.policy.state(), num_drafted=self.num_drafted,
-                                       draft_seconds=self.draft_seconds)
+                                       draft_seconds=self.draft_seconds, grammar_drafted=self.grammar_drafted)
 
     def close(self) -> None:
         self.session.close()

@@ -297,7 +297,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _own_window(self, session: TargetSession, local: LocalDrafting):
         """A round of a session that drafts here: (ids to feed, judge, logits rows), its window
         drafted now, after the committed sequence."""
-        drafts = local.draft(session.seq)
+        drafts = local.draft(session.seq, session.grammar)
         ids, start = session.window(drafts), session.kv.length
 
         def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):

@@ -121,14 +121,20 @@ def test_logprobs_come_back_for_every_token_the_target_drafts_and_emits(chat_pai
         assert found == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
 
 
-def test_a_grammar_masks_what_the_target_drafts_itself(chat_pair, drafting_target):
+def test_a_grammar_masks_and_drafts_where_the_target_drafts_itself(chat_pair, drafting_target):
     from specd.grammar import GrammarSpec
 
-    sampling = SamplingParams(max_new_tokens=48, grammar=GrammarSpec("json_object"))
-    for prompt in PROMPTS:
-        ids, finish = generate(drafting_target.address, None,
-                               GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant")))
-        assert ids == reference(chat_pair[0], prompt, sampling) and finish.spec_stats["drafted_on_target"]
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, ' \
+             '"required": ["name", "age"]}'
+    forced = 0
+    for spec in (GrammarSpec("json_object"), GrammarSpec("json_schema", schema)):
+        sampling = SamplingParams(max_new_tokens=48, grammar=spec)
+        for prompt in PROMPTS:
+            ids, finish = generate(drafting_target.address, None,
+                                   GenerateRequest(prompt=prompt, sampling=sampling, spec=SpecParams("constant")))
+            assert ids == reference(chat_pair[0], prompt, sampling) and finish.spec_stats["drafted_on_target"]
+            forced += finish.spec_stats["grammar_drafted"]
+    assert forced > 0  # the target drafted what the grammar forced
 
 
 def test_the_target_drafts_even_with_a_draft_service_configured(chat_pair, drafting_target, hf_draft_service):

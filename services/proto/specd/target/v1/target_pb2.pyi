@@ -175,7 +175,7 @@ class EmittedLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
-    __slots__ = ("policy_state", "num_drafted", "draft_seconds")
+    __slots__ = ("policy_state", "num_drafted", "draft_seconds", "grammar_drafted")
     class PolicyStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,7 +186,9 @@ class TargetClosed(_message.Message):
     POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     policy_state: _containers.ScalarMap[str, float]
     num_drafted: int
     draft_seconds: float
-    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    grammar_drafted: int
+    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., grammar_drafted: _Optional[int] = ...) -> None: ...
