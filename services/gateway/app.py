@@ -296,7 +296,10 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             gen = dataclasses.replace(gen, tenant=key_label(record.name))
         sources = [gw.backend.generate(g) for g in convert.choices(gen, n)]
         try:  # a bad request raises here, before any byte is sent
-            firsts = await asyncio.gather(*(anext(events) for events in sources))
+            firsts = await asyncio.gather(*(anext(events) for events in sources), return_exceptions=True)
+            failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failed is not None:
+                raise failed
         except BaseException:
             lease.used = 0  # nothing generated: the key gets its tokens back
             for events in sources:

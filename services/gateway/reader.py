@@ -16,11 +16,15 @@ is watched and only the send timeout applies.
 
 from __future__ import annotations
 
-import fcntl
 import struct
-import termios
 import time
 from collections.abc import Callable
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # not a POSIX system: nothing is watched
+    fcntl = termios = None
 
 TRANSPORT = "specd.transport"  # the scope["extensions"] key of the connection's asyncio transport
 _OUTQ = getattr(termios, "TIOCOUTQ", None)

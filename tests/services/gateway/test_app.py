@@ -230,6 +230,7 @@ BAD = [  # (route, body, param)
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # longer than the context
     (CHAT, {"messages": HI, "n": 17}, "n"),
     (CHAT, {"messages": HI, "n": 0}, "n"),
+    (CHAT, {"messages": HI, "n": 3, "logit_bias": {"100000": 1}}, "logit_bias"),  # every choice refused at once
     (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     (CHAT, {"messages": HI, "logprobs": True, "speculative": {"branches": 2}}, "speculative.branches"),
