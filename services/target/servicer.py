@@ -34,6 +34,7 @@ from services.target.session import TargetSession
 from specd.costs import LoadFit, MovingAverage, measure_t_draft, measure_t_target, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest, ModelError, Overloaded
+from specd.grammar import Grammar
 from specd.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -227,10 +228,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         running), it waits for those, at most about a forward, then tries once more: a client
         that sends its next request the moment its last one ended is not refused for a slot that
         was about to be free."""
+        sampling = sampling_from_proto(open_msg.sampling)
+        grammar = None
+        if sampling.grammar is not None:  # compiled off the event loop, where every session's replies go
+            t = self.target
+            grammar = await asyncio.to_thread(Grammar, sampling.grammar, t.tokenizer, t.emitted_vocab, t.eos_token_ids)
+
         def new() -> TargetSession:
-            return TargetSession(self.target, list(open_msg.prompt_ids), sampling_from_proto(open_msg.sampling),
-                                 open_msg.features, open_msg.tenant,
-                                 open_msg.logprobs if open_msg.HasField("logprobs") else None)
+            return TargetSession(self.target, list(open_msg.prompt_ids), sampling, open_msg.features, open_msg.tenant,
+                                 open_msg.logprobs if open_msg.HasField("logprobs") else None, grammar)
         try:
             return new()
         except Overloaded:

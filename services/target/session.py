@@ -25,15 +25,17 @@ PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
 
 class TargetSession:
     def __init__(self, target: LoadedModel, prompt: list[int], sampling: SamplingParams, features: bool = False,
-                 tenant: str = "", logprobs: int | None = None):
+                 tenant: str = "", logprobs: int | None = None, grammar: Grammar | None = None):
+        """grammar: the sampling's grammar state, where the caller built it (off its event loop:
+        the first one builds the tokenizer's tables, about a second); else built here."""
         sampling.validate(max_new_tokens_limit=target.max_context)
         validate_prompt(prompt, target.emitted_vocab, target.max_context)
         check_logit_bias(sampling, target.emitted_vocab)
         self.target, self.sampling = target, sampling
         self.seq = list(prompt)
         self.prompt_len = len(prompt)
-        self.grammar = (Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
-                        if sampling.grammar is not None else None)
+        self.grammar = grammar if grammar is not None or sampling.grammar is None else \
+            Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
         self.kv = target.session()
         check_logprobs(logprobs, SpecParams())
         self.logprobs = logprobs  # return emitted tokens' log-probabilities with this many alternatives
