@@ -56,6 +56,14 @@ def test_the_sdk_reads_logprobs_and_sends_penalties(client):
     assert len(done.choices[0].logprobs.tokens) == len(done.choices[0].logprobs.token_logprobs) > 0
 
 
+def test_the_sdk_reads_n_choices_and_structured_output(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0.8, seed=1, n=2, max_tokens=8,
+                                         response_format={"type": "json_object"})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.message.content.startswith("{") for c in out.choices)
+    assert out.usage.completion_tokens == sum(s["new_tokens"] for s in _stats(out)["per_choice"])
+
+
 def test_completions(client):
     out = client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16)
     chunks = list(client.completions.create(model="tiny", prompt="Hi", temperature=0, max_tokens=16,
