@@ -25,14 +25,14 @@ import torch
 from specd.errors import InvalidRequest
 
 MAX_SCHEMA_CHARS = 1 << 16
-KINDS = ("json_object", "json_schema")
+KINDS = ("json_object", "json_schema", "lark")  # lark: llguidance's Lark grammar text (tool calls, specd.tools)
 FIELD = "response_format"
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What the output must be: `json_object` (any JSON object) or `json_schema` (schema, the
-    schema's JSON text)."""
+    """What the output must be: `json_object` (any JSON object), `json_schema` (schema: the
+    schema's JSON text) or `lark` (schema: a Lark grammar, as llguidance reads it)."""
 
     kind: str
     schema: str = ""
@@ -40,21 +40,24 @@ class GrammarSpec:
     def grammar(self) -> str:
         from llguidance import LLMatcher
 
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.schema)
         return LLMatcher.grammar_from_json_schema(self.schema if self.kind == "json_schema" else '{"type": "object"}')
 
     def validate(self) -> None:
         """InvalidRequest naming response_format for an unknown kind or a schema llguidance
         cannot compile; cheap enough for the gateway, which has no tokenizer."""
         if self.kind not in KINDS:
-            raise InvalidRequest(FIELD, f"type must be one of {', '.join(KINDS)} or text, got {self.kind!r}")
+            raise InvalidRequest(FIELD, f"type must be json_object, json_schema or text, got {self.kind!r}")
         if self.kind == "json_object":
             return
         if len(self.schema) > MAX_SCHEMA_CHARS:
             raise InvalidRequest(FIELD, f"the schema is at most {MAX_SCHEMA_CHARS} characters, got {len(self.schema)}")
-        try:
-            json.loads(self.schema)
-        except ValueError as e:
-            raise InvalidRequest(FIELD, f"the schema is not JSON: {e}") from None
+        if self.kind == "json_schema":
+            try:
+                json.loads(self.schema)
+            except ValueError as e:
+                raise InvalidRequest(FIELD, f"the schema is not JSON: {e}") from None
         from llguidance import LLMatcher
 
         try:

@@ -9,6 +9,7 @@ backend owns the tokenizer, so the gateway never loads a model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,6 +44,23 @@ class GenerateRequest:
     # Each emitted token's log-probability under the target and this many alternatives
     # (specd.logprobs; None: none), in TokenEvent.logprobs.
     logprobs: int | None = None
+    # The tools the chat template offers the model: OpenAI's `tools`, as JSON text ("": none).
+    # Messages may then carry OpenAI's `tool_calls` (assistant) and `tool_call_id` (tool).
+    tools_json: str = ""
+
+    def tool_specs(self) -> list[dict] | None:
+        """The tools, for the chat template (None: none); InvalidRequest naming tools for JSON
+        that is not a list of them."""
+        if not self.tools_json:
+            return None
+        try:
+            tools = json.loads(self.tools_json)
+        except ValueError:
+            raise InvalidRequest("tools", "is not JSON") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                  for t in tools):
+            raise InvalidRequest("tools", 'is a list of {"type": "function", "function": {...}}')
+        return tools
 
     def validate(self, max_new_tokens_limit: int = 1 << 20,
                  max_draft_tokens_limit: int = MAX_REQUEST_DRAFT_TOKENS) -> None:
@@ -63,9 +81,15 @@ class GenerateRequest:
                 if not isinstance(content, str):
                     raise InvalidRequest(f"messages.{i}.content", "must be a string")
                 check_text(f"messages.{i}.content", content)
+                if not isinstance(m.get("tool_calls", []), list) or not isinstance(m.get("tool_call_id", ""), str):
+                    raise InvalidRequest(f"messages.{i}", "tool_calls is a list and tool_call_id a string")
             chars = sum(len(m["content"]) for m in self.messages)
             if chars > MAX_PROMPT_CHARS:
                 raise InvalidRequest("messages", f"at most {MAX_PROMPT_CHARS} characters in all, got {chars}")
+        if len(self.tools_json) > MAX_PROMPT_CHARS:
+            raise InvalidRequest("tools", f"at most {MAX_PROMPT_CHARS} characters of JSON, got {len(self.tools_json)}")
+        check_text("tools", self.tools_json)
+        self.tool_specs()
         if len(self.tenant) > MAX_TENANT_CHARS:
             raise InvalidRequest("tenant", f"at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
         check_text("tenant", self.tenant)

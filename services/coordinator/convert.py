@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from services.coordinator.api import Event, FinishEvent, GenerateRequest, Logprob, TokenEvent
 from services.proto.specd.coordinator.v1 import coordinator_pb2 as pb
@@ -26,12 +28,12 @@ def request_from_proto(msg: pb.GenerateRequest, default_policy: str) -> Generate
                       sp.branches if sp.HasField("branches") else None)
     return GenerateRequest(
         prompt=msg.prompt if kind == "prompt" else None,
-        messages=tuple({"role": m.role, "content": m.content} for m in msg.messages.messages)
+        messages=tuple(message_from_proto(m) for m in msg.messages.messages)
         if kind == "messages" else None,
         prompt_ids=tuple(msg.prompt_ids.ids) if kind == "prompt_ids" else None,
         sampling=sampling_from_proto(msg.sampling, msg.max_new_tokens, tuple(msg.stop)),
         spec=spec, overlap=sp.overlap if sp.HasField("overlap") else None, tenant=msg.tenant,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None, tools_json=msg.tools_json)
 
 
 def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
@@ -47,13 +49,31 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
                              stop=list(r.sampling.stop), speculative=sp, tenant=r.tenant)
     if r.logprobs is not None:
         msg.logprobs = r.logprobs
+    msg.tools_json = r.tools_json
     if r.prompt_ids is not None:
         msg.prompt_ids.ids.extend(r.prompt_ids)
     elif r.messages is not None:
-        msg.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in r.messages)
+        msg.messages.messages.extend(message_to_proto(m) for m in r.messages)
     else:
         msg.prompt = r.prompt or ""
     return msg
+
+
+def message_from_proto(m: pb.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        try:
+            out["tool_calls"] = json.loads(m.tool_calls_json)
+        except ValueError:
+            raise InvalidRequest("messages.tool_calls", "is not JSON") from None
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def message_to_proto(m: dict) -> pb.ChatMessage:
+    return pb.ChatMessage(role=m["role"], content=m["content"], tool_call_id=m.get("tool_call_id", ""),
+                          tool_calls_json=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
 
 
 def event_to_proto(event: Event) -> pb.GenerateResponse:

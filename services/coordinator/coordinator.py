@@ -238,7 +238,8 @@ class Coordinator:
         if request.prompt_ids is not None:
             prompt = list(request.prompt_ids)
         elif request.messages is not None:
-            prompt = encode_prompt(self.tokenizer, [dict(m) for m in request.messages], chat=True)
+            prompt = encode_prompt(self.tokenizer, [dict(m) for m in request.messages], chat=True,
+                                   tools=request.tool_specs())
         else:
             prompt = encode_prompt(self.tokenizer, request.prompt or "", chat=False)
         validate_prompt(prompt, self.target_info.vocab_size, self.target_info.max_context)

@@ -111,5 +111,6 @@ class LocalBackend:
         if request.prompt_ids is not None:
             return list(request.prompt_ids)
         if request.messages is not None:
-            return self.target.encode_prompt([dict(m) for m in request.messages], chat=True)
+            return self.target.encode_prompt([dict(m) for m in request.messages], chat=True,
+                                             tools=request.tool_specs())
         return self.target.encode_prompt(request.prompt or "", chat=False)

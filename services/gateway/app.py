@@ -309,7 +309,7 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
         env = convert.Envelope.new(chat, gw.backend.model_card().id)
         if body.stream:
             per_choice = body.include_usage and n == 1  # n > 1: one usage chunk after every choice
-            chunkers = [convert.stream_chunks(env, chat, per_choice, i) for i in range(n)]
+            chunkers = [convert.stream_chunks(env, chat, per_choice, i, bool(gen.tools_json)) for i in range(n)]
             head = convert.chat_head(env, n) if chat else []
             tail = (lambda finishes: [convert.usage_chunk(env, chat, finishes)]) if body.include_usage and n > 1 \
                 else (lambda finishes: [])
@@ -324,6 +324,8 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             lease.observe(a.finish)
         if gen.logprobs is None:
             answers = [dataclasses.replace(a, logprobs=None) for a in answers]
+        if gen.tools_json:
+            answers = [a.with_calls() for a in answers]
         return convert.chat_completion(env, answers) if chat else convert.completion(env, answers)
     finally:
         if not streaming:

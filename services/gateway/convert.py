@@ -4,6 +4,7 @@ stream chunks. No I/O here."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -36,11 +37,13 @@ from services.gateway.schemas import (
     ModelList,
     SpeculativeOptions,
     TokenLogprobInfo,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION
+from specd.tools import CallStream, call_grammar, parse_calls
 from specd.types import MAX_SEED, SamplingParams, SpecParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -57,9 +60,20 @@ def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int
     spec = spec_params(req.speculative, default_policy)
     overlap = req.speculative.overlap
     if isinstance(req, ChatCompletionRequest):
-        messages = tuple({"role": _ROLES.get(m.role, m.role), "content": m.text} for m in req.messages)
+        messages = tuple({"role": _ROLES.get(m.role, m.role), "content": m.text, **m.template_fields}
+                         for m in req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
+            else []
+        if req.must_call:  # one call, its arguments under the tool's schema (specd.tools)
+            grammar = call_grammar(tools, None if req.must_call is True else req.must_call)
+            try:
+                grammar.validate()
+            except InvalidRequest as e:
+                raise InvalidRequest("tools", f"a function's parameters cannot be used as a schema: {e.message}") \
+                    from None
+            sampling = replace(sampling, grammar=grammar)
         gen = GenerateRequest(messages=messages, sampling=sampling, spec=spec, overlap=overlap,
-                              logprobs=req.logprobs_asked)
+                              logprobs=req.logprobs_asked, tools_json=json.dumps(tools) if tools else "")
     else:
         gen = GenerateRequest(prompt=req.text, sampling=sampling, spec=spec, overlap=overlap,
                               logprobs=req.logprobs_asked)
@@ -154,6 +168,12 @@ class Answer:
     text: str
     finish: FinishEvent
     logprobs: Sequence[Logprob] | None = None
+    tool_calls: Sequence[dict] = ()  # the calls taken out of the text (specd.tools)
+
+    def with_calls(self) -> Answer:
+        """The answer with its tool calls taken out of its text."""
+        content, calls = parse_calls(self.text)
+        return replace(self, text=content, tool_calls=calls) if calls else self
 
 
 def usage_of(finishes: Sequence[FinishEvent]) -> Usage:
@@ -170,7 +190,8 @@ def spec_stats_of(finishes: Sequence[FinishEvent]) -> dict:
 
 
 def chat_completion(env: Envelope, answers: Sequence[Answer]) -> ChatCompletion:
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=a.text), finish_reason=a.finish.finish_reason,
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=a.text, tool_calls=list(a.tool_calls) or None),
+                          finish_reason="tool_calls" if a.tool_calls else a.finish.finish_reason,
                           logprobs=chat_logprobs(a.logprobs)) for i, a in enumerate(answers)]
     finishes = [a.finish for a in answers]
     return ChatCompletion(id=env.id, created=env.created, model=env.model, choices=choices,
@@ -218,8 +239,12 @@ def usage_chunk(env: Envelope, chat: bool, finishes: Sequence[FinishEvent]) -> B
     return chunk(env, [], usage=usage_of(finishes))
 
 
-def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0) -> Callable[[Event], list[BaseModel]]:
-    """The chunks of each event of one streamed choice, in order."""
+def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0,
+                  tools: bool = False) -> Callable[[Event], list[BaseModel]]:
+    """The chunks of each event of one streamed choice, in order; with tools, calls are taken
+    out of the text and sent as tool_calls deltas when the choice ends."""
+    if chat and tools:
+        return _calls_streamed(env, include_usage, index)
     if chat:
         return lambda event: chat_chunks(env, event, include_usage, index)
     streamed = 0
@@ -229,6 +254,23 @@ def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0
         out = completion_chunks(env, event, include_usage, streamed, index)
         streamed += len(event.text) if isinstance(event, TokenEvent) else 0
         return out
+
+    return chunks
+
+
+def _calls_streamed(env: Envelope, include_usage: bool, index: int) -> Callable[[Event], list[BaseModel]]:
+    stream = CallStream()
+
+    def chunks(event: Event) -> list[BaseModel]:
+        if isinstance(event, TokenEvent):
+            return chat_chunks(env, replace(event, text=stream.push(event.text)), include_usage, index)
+        rest, calls = stream.finish()
+        out = chat_chunks(env, TokenEvent((), rest), include_usage, index) if rest else []
+        if calls:
+            delta = ChatDelta(tool_calls=[ToolCallDelta(index=j, **c) for j, c in enumerate(calls)])
+            out.append(_chat_chunk(env, [ChunkChoice(index=index, delta=delta)]))
+            event = replace(event, finish_reason="tool_calls")
+        return out + chat_chunks(env, event, include_usage, index)
 
     return chunks
 

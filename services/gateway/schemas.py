@@ -172,16 +172,70 @@ class ResponseFormat(BaseModel):
         return GrammarSpec("json_schema", json.dumps(self.json_schema.json_schema))
 
 
+class FunctionSpec(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
+
+    @property
+    def template_fields(self) -> dict:
+        """What the chat template reads beyond role and content: the calls (their arguments as
+        objects, as templates expect), the call a tool message answers."""
+        out: dict = {}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
         # Checked before the union so that errors read as one clear message, not two.
+        if value is None:
+            return value
         if isinstance(value, list):
             if len(value) > MAX_CONTENT_PARTS:
                 raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(value)}")
@@ -196,15 +250,26 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _not_empty(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+    def _not_empty(cls, value: str | list[TextPart] | None, info) -> str | list[TextPart] | None:
+        if value is None:
+            return value
         text = value if isinstance(value, str) else "".join(p.text for p in value)
-        if not text.strip():
+        if not text.strip() and info.data.get("role") != "tool":  # a tool may return nothing
             raise ValueError("must not be empty")
         return value
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Knobs):
@@ -233,12 +298,38 @@ class ChatCompletionRequest(_Knobs):
     @property
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-    tools: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
-    tool_choice: Annotated[Any, _only(None, "none")] = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None = Field(
+        None, description="functions the model may call (chat templates with Hermes-style <tool_call> tags)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required (one call), or a named function")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, value, info):
+        tools = info.data.get("tools") or []
+        if value not in (None, "none", "auto") and not tools:
+            raise ValueError("required or a named function needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names no tool of the request: {value.function.name!r}")
+        return value
+
+    @property
+    def must_call(self) -> bool | str:
+        """False, True (tool_choice required: one call of any tool) or the function to call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice == "required"
     functions: Annotated[Annotated[list, Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None, _only(None, [])] = None
     function_call: Annotated[Any, _only(None, "none")] = None
     response_format: ResponseFormat | None = Field(None, description="structured output: json_object or "
                                                                      "json_schema constrains the answer")
+
+    @field_validator("response_format")
+    @classmethod
+    def _not_with_a_forced_call(cls, value, info):
+        if value is not None and value.type != "text" and info.data.get("tool_choice") not in (None, "none", "auto"):
+            raise ValueError("cannot constrain an answer that tool_choice makes a tool call")
+        return value
 
 
 class CompletionRequest(_Knobs):
@@ -308,7 +399,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -328,9 +420,14 @@ class ChatCompletion(BaseModel):
     spec_stats: dict = Field(description="speculation statistics of this request")
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
     content: str | None = Field(None, exclude_if=_absent_if_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChunkChoice(BaseModel):

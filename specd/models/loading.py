@@ -110,26 +110,31 @@ class LoadedModel:
             return KVSession(self._lean.forward, self.device, self._lean.new_cache())
         return KVSession(hf_forward(self.model), self.device)
 
-    def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
-        """Token ids of a prompt; chat=True applies the tokenizer's chat template."""
+    def encode_prompt(self, prompt: str | list[dict], chat: bool, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt; chat=True applies the tokenizer's chat template (with tools)."""
         if self.tokenizer is None:
             raise ModelError(f"model {self.name} has no tokenizer")
-        return encode_prompt(self.tokenizer, prompt, chat)
+        return encode_prompt(self.tokenizer, prompt, chat, tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
-    """Token ids of a prompt (a string, or chat messages); chat=True applies the chat template."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt (a string, or chat messages); chat=True applies the chat template,
+    which renders tools where given (specd.tools: a template that takes none is refused)."""
     if isinstance(prompt, str) and not prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
+    if tools:
+        from specd.tools import check_template
+
+        check_template(tokenizer)
     if chat and getattr(tokenizer, "chat_template", None):
         from jinja2 import TemplateError
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None,
                                                       tokenize=True, return_dict=False))
         except TemplateError as e:  # the template's own refusal (e.g. roles out of order)
             raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None

@@ -6,6 +6,7 @@ frees both sessions; concurrent requests share target forwards."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -351,6 +352,51 @@ def test_logprobs_cross_the_coordinators_grpc_api():
         assert request_from_proto(request_to_proto(request), "none").logprobs == asked
     event = TokenEvent((4, 5), "ab", (Logprob("a", -0.5, (("a", -0.5), ("b", -1.25))), Logprob("b", -2.0)))
     assert event_from_proto(event_to_proto(event)) == event
+
+
+def test_tools_cross_the_coordinators_grpc_api():
+    from services.coordinator.convert import request_from_proto, request_to_proto
+
+    messages = ({"role": "user", "content": "Rain?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}]},
+                {"role": "tool", "content": "rain", "tool_call_id": "c1"})
+    request = GenerateRequest(messages=messages, tools_json='[{"type": "function", "function": {"name": "w"}}]')
+    back = request_from_proto(request_to_proto(request), "none")
+    assert back.messages == messages and back.tools_json == request.tools_json
+
+
+def test_a_forced_tool_call_through_the_services_is_the_target_alones(service_loop, chat_pair, hf_draft_service):
+    """A target whose template takes tools (Hermes tags): the coordinator renders them, the
+    target verifies the call under its grammar, and the answer is the target alone's."""
+    from dataclasses import replace
+
+    from services.common.settings import TargetSettings
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from specd.models.tiny import char_tokenizer
+    from specd.tools import call_grammar, parse_calls
+    from tests.services.conftest import Service
+    from tests.services.gateway.test_tools import ASK, HERMES, WEATHER
+
+    tok = char_tokenizer()
+    tok.chat_template = HERMES
+    target = replace(chat_pair[0], tokenizer=tok)
+    servicer = TargetServicer(target)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    sampling = SamplingParams(max_new_tokens=120, grammar=call_grammar([WEATHER], None))
+    request = GenerateRequest(messages=tuple(ASK), sampling=sampling, spec=SpecParams("constant"),
+                              tools_json=json.dumps([WEATHER]))
+    try:
+        ids, finish = generate(svc.address, hf_draft_service.address, request)
+    finally:
+        svc.stop()
+    prompt = target.encode_prompt(list(ASK), chat=True, tools=[WEATHER])
+    alone = SpeculativeEngine(target).generate(prompt, sampling, SpecParams("none"))
+    assert ids == alone.token_ids and finish.spec_stats["drafted"] > 0
+    _, calls = parse_calls(alone.text)
+    assert [c["function"]["name"] for c in calls] == ["weather"]
 
 
 def test_the_requests_tenant_reaches_the_targets_session(target_service, hf_draft_service):

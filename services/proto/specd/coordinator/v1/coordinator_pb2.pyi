@@ -18,12 +18,16 @@ class CoordinatorInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls_json", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls_json: str
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -63,7 +67,7 @@ class Speculative(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ..., task_tag: _Optional[str] = ..., relaxed: _Optional[bool] = ..., overlap: _Optional[bool] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "speculative", "tenant", "logprobs")
+    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "speculative", "tenant", "logprobs", "tools_json")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     prompt_ids: TokenIds
@@ -82,7 +87,8 @@ class GenerateRequest(_message.Message):
     speculative: Speculative
     tenant: str
     logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., tenant: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., tenant: _Optional[str] = ..., logprobs: _Optional[int] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish")

@@ -1,0 +1,127 @@
+"""Tools through the real gateway (LocalBackend, the tiny target with a Hermes-style chat
+template): a required or named call is constrained to the tool's schema and is the target
+alone's; calls come back as OpenAI tool_calls, whole and streamed; a template without tools is
+refused naming `tools`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from services.coordinator.local import LocalBackend
+from services.gateway import create_app
+from specd.drafters import build_drafter
+from specd.engine import SpeculativeEngine
+from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_llama
+
+CHAT = "/v1/chat/completions"
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nTools: <tools>{% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "</tools> Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>{\"name\": \""
+    "{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 6}},
+                                                "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "integer"}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Rain in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def urls(serve):
+    """A gateway whose model's template takes tools, and one whose template does not."""
+    out = []
+    for template in (HERMES, None):
+        tok = char_tokenizer()
+        if template:
+            tok.chat_template = template
+        target = loaded(tiny_llama(0, layers=4, vocab_size=len(tok)), "tiny-tools", tok)
+        draft = loaded(perturbed(target.model, 0.01, seed=1), "tiny-tools-draft", tok)
+        out.append(serve(create_app(LocalBackend(SpeculativeEngine(target, build_drafter("hf", target, draft))))))
+    return out
+
+
+def _chat(url: str, **body) -> httpx.Response:
+    return httpx.post(url + CHAT, json={"messages": ASK, "max_tokens": 120, "temperature": 0, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "function": {"name": "time"}},
+                                                                 "time")])
+def test_a_forced_call_follows_the_tools_schema_and_is_the_target_alones(urls, choice, name):
+    body = {"tools": [WEATHER, TIME], "tool_choice": choice}
+    alone = _chat(urls[0], **body, speculative={"enabled": False}).json()
+    spec = _chat(urls[0], **body, speculative={"policy": "constant"}).json()
+    calls = [c["choices"][0]["message"]["tool_calls"] for c in (alone, spec)]
+    assert [[(t["function"]["name"], t["function"]["arguments"]) for t in c] for c in calls][0] == \
+        [(t["function"]["name"], t["function"]["arguments"]) for t in calls[1]]
+    choice0 = spec["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
+    (call,) = choice0["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert name is None or call["function"]["name"] == name
+    args = json.loads(call["function"]["arguments"])
+    assert set(args) == ({"zone"} if call["function"]["name"] == "time" else {"city"})
+    assert spec["spec_stats"]["drafted"] > 0
+
+
+def test_a_streamed_call_comes_as_a_tool_calls_delta(urls):
+    body = {"messages": ASK, "max_tokens": 120, "temperature": 0, "stream": True, "tools": [WEATHER],
+            "tool_choice": "required"}
+    with httpx.stream("POST", urls[0] + CHAT, json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "weather"
+    assert "city" in json.loads(calls[0]["function"]["arguments"])
+    assert not any("<tool_call>" in d.get("content", "") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_earlier_calls_and_tool_results_are_rendered(urls):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    r = _chat(urls[0], messages=history, tools=[WEATHER], max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > _chat(urls[0], tools=[WEATHER], max_tokens=8).json()["usage"][
+        "prompt_tokens"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER]}, "tools"),  # the other model's template takes no tools
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages.0"),
+])
+def test_bad_tool_requests_name_their_field(urls, body, param):
+    url = urls[1] if param == "tools" else urls[0]
+    r = _chat(url, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_the_openai_sdk_reads_the_calls(urls):
+    import openai
+
+    with openai.OpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                             temperature=0, max_tokens=120)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "weather" and "city" in json.loads(call.function.arguments)
+        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], temperature=0,
+                                                     tool_choice={"type": "function", "function": {"name": "weather"}},
+                                                     max_tokens=120, stream=True))
+        streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+        assert [t.function.name for t in streamed] == ["weather"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
