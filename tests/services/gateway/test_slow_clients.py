@@ -101,12 +101,20 @@ def _raw_request(port: int, body: bytes, rcvbuf: int | None = None) -> socket.so
     return sock
 
 
+STREAM = b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true, "max_tokens": %d}' % ENDLESS
+
+
+def _gateway(run, backend, max_concurrent: int = 4):
+    """A gateway over backend whose streams end after 1 s with nothing taken: (server, admission)."""
+    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=max_concurrent,
+                     stream_send_timeout_s=1.0)
+    return run(app), app.state.gateway.admission
+
+
 def test_a_stream_whose_client_stops_reading_is_ended(run):
     backend = Generating()
-    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=4, stream_send_timeout_s=1.0)
-    server = run(app)
-    admission = app.state.gateway.admission
-    body = b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true, "max_tokens": %d}' % ENDLESS
+    server, admission = _gateway(run, backend)
+    body = STREAM
     stalled = _raw_request(server.port, body, rcvbuf=4096)  # then reads nothing
     try:
         assert _wait(lambda: admission.in_flight == 1)
@@ -136,10 +144,8 @@ class Trickling(Generating):
 
 def test_a_stream_whose_unread_chunks_fit_in_the_buffers_is_ended_after_the_timeout(run):
     backend = Trickling()
-    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=4, stream_send_timeout_s=1.0)
-    server = run(app)
-    admission = app.state.gateway.admission
-    body = b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true, "max_tokens": %d}' % ENDLESS
+    server, admission = _gateway(run, backend)
+    body = STREAM
     stalled = _raw_request(server.port, body, rcvbuf=4096)  # then reads nothing
     reader = _raw_request(server.port, body)  # reads everything
     taken = []
@@ -168,9 +174,7 @@ def test_a_stream_whose_unread_chunks_fit_in_the_buffers_is_ended_after_the_time
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_frees_every_choice_of_its_request(run, stream):
     backend = Trickling()
-    app = create_app(backend, max_tokens_limit=ENDLESS, max_concurrent_requests=8, stream_send_timeout_s=1.0)
-    server = run(app)
-    admission = app.state.gateway.admission
+    server, admission = _gateway(run, backend, 8)
     body = b'{"messages": [{"role": "user", "content": "Hi"}], "n": 3, "stream": %s, "max_tokens": %d}' % (
         b"true" if stream else b"false", ENDLESS)
     client = _raw_request(server.port, body)
