@@ -21,6 +21,9 @@
                                           for its sessions (--drafter): on the path from one forward
                                           to the next
   specd_target_prefill_chunks_total       counter: prompt chunks prefilled (prefill_chunk tokens each)
+  specd_target_prefill_shared_tokens_total counter: prompt positions copied from another session of the
+                                          same tenant with the same prompt prefix (n choices, a shared
+                                          system prompt) instead of prefilled
   specd_target_decode_seconds_per_token   gauge: the measured cost of one plain decoding step (one
                                           session, one token), measured at start-up and kept current
                                           while serving; coordinators price target-only decoding
@@ -95,6 +98,9 @@ class TargetMetrics:
         self.prefill_chunks = Counter("specd_target_prefill_chunks", "prompt chunks prefilled", ["model"],
                                       registry=registry)
         self.prefill_chunks.labels(model)
+        self.prefill_shared = Counter("specd_target_prefill_shared_tokens", "prompt positions a session took from "
+                                      "another's cache instead of prefilling them", ["model"], registry=registry)
+        self.prefill_shared.labels(model)
         per_token = Gauge("specd_target_token_seconds", "seconds between a session's verifications per token "
                           "emitted, moving average (what --latency-budget reads)", ["model"], registry=registry)
         per_token.labels(model).set_function(token_seconds)
@@ -128,3 +134,6 @@ class TargetMetrics:
 
     def observe_prefill_chunk(self) -> None:
         self.prefill_chunks.labels(self.model).inc()
+
+    def observe_shared_prefill(self, tokens: int) -> None:
+        self.prefill_shared.labels(self.model).inc(tokens)

@@ -46,6 +46,7 @@ MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
 MAX_WINDOW_TOKENS = 64
 IDLE_TIMEOUT_S = 60.0  # a session that sends nothing this long is ended and its KV slot freed
 FAIR_SHARE_RESERVE = 0.125  # of the KV slots, kept for tenants below their fair share
+MIN_SHARED_PREFIX = 16  # prompt tokens two sessions share before one copies the other's cache
 Q_SUM_SLACK = 1e-3  # a dense q sums to 1 within float32 round-off over a large vocabulary
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -148,6 +149,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except Overloaded:
             self.metrics.observe_refused()
             raise
+        session.prefilled = asyncio.Event()  # set once its prompt is cached, however its call ends
+        donor = self._donor(session)
         self.sessions.add(session)
         local: LocalDrafting | None = None  # the session drafts here
         after_run: asyncio.Future | None = None  # the client's next message, read during a plain run
@@ -155,6 +158,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             local = self._local_drafting(first.open, session)
             t0 = time.perf_counter()
+            if donor is not None:  # the prefix another session prefills (or has): copied, not computed
+                await donor.prefilled.wait()
+                shared = await loop.run_in_executor(self.executor, session.adopt, donor, session.shared_prefix(donor))
+                self.metrics.observe_shared_prefill(shared)
             more = True
             while more:  # other sessions' forwards run between the chunks
                 cached = session.kv.length
@@ -162,6 +169,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if session.kv.length > cached:
                     self.metrics.observe_prefill_chunk()
             prefill_s = time.perf_counter() - t0
+            session.prefilled.set()
             while (msg := await self._next_message(after_run if after_run is not None else anext(stream, None),
                                                    context)) is not None:
                 after_run = None
@@ -197,6 +205,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             closed = local.closed() if local is not None else target_pb2.TargetClosed()
             yield target_pb2.TargetResponse(closed=closed)
         finally:
+            session.prefilled.set()  # nobody waits for a prefill that will not come
             if run is not None:  # no further step once the client is gone
                 run.stop()
             if after_run is not None and not after_run.cancel() and not after_run.cancelled():
@@ -210,6 +219,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             released.add_done_callback(self.releasing.discard)
             self.sessions.discard(session)
             self.batcher.forget(session.kv)
+
+    def _donor(self, session: TargetSession) -> TargetSession | None:
+        """The open session of the same tenant whose prompt shares the longest prefix with this
+        one's, at least MIN_SHARED_PREFIX tokens: its cached prompt is copied instead of
+        prefilled (the choices of one request, a shared system prompt). Only within a tenant:
+        another tenant's could tell by the timing that a prompt was seen."""
+        best, best_n = None, MIN_SHARED_PREFIX - 1
+        for other in self.sessions:
+            if other.tenant == session.tenant and (n := session.shared_prefix(other)) > best_n:
+                best, best_n = other, n
+        return best
 
     async def _next_message(self, reading, context: grpc.aio.ServicerContext):
         """The client's next message (None: it closed its side), waited for at most

@@ -46,6 +46,26 @@ class TargetSession:
         self.last_reply_at: float | None = None  # when its last verification was answered
         self.vocab = target.emitted_vocab  # logits beyond it are never read: no id there is emitted
 
+    def shared_prefix(self, other: TargetSession) -> int:
+        """How many leading prompt positions this session could take from other's cache: the
+        prompts' common prefix, short of either's last token (which the first verification
+        feeds); 0 where either returns hidden states, which a prefill computes."""
+        if self.features or other.features:
+            return 0
+        a, b = self.seq[:self.prompt_len - 1], other.seq[:other.prompt_len - 1]
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    def adopt(self, other: TargetSession, n: int) -> int:
+        """Take other's first n prompt positions instead of prefilling them (on the compute
+        thread, where other's slot cannot be freed meanwhile); the positions taken (0: none)."""
+        copy = getattr(self.kv, "copy_from", None)
+        return n if copy is not None and copy(other.kv, n) else 0
+
     def prefill(self, chunk: int = 0) -> bool:
         """Cache the next `chunk` tokens (0: all) of the prompt but its last, while the draft
         drafts its first window; True while more remain. A long prompt prefilled in chunks lets

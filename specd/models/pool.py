@@ -226,6 +226,15 @@ class KVPool:
                     if last > first:
                         _MADVISE(first, last - first)
 
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot src's first n positions into slot dst, which then holds them (a prompt prefix
+        two sessions share: computed once). On the compute thread, between forwards."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.written[dst] = max(self.written[dst], n)
+
     def bytes_per_token(self) -> int:
         layers, _, heads, _, dim = self.k.shape
         return 2 * layers * heads * dim * self.k.element_size()
@@ -728,6 +737,16 @@ class PoolSession:
     def rollback(self, length: int) -> None:
         if length < self.length:
             self.pool.lengths[self.slot] = length
+
+    def copy_from(self, other: PoolSession, n: int) -> bool:
+        """Take other's first n cached positions as this empty session's own; False (nothing
+        copied) where they are not there to take: other closed or shorter, another pool, or a
+        tensor-parallel pool (whose other ranks would not see the copy)."""
+        if (other.pool is not self.pool or self.pool.tp is not None or other.cache is None or self.cache is None
+                or other.length < n or self.length or n <= 0):
+            return False
+        self.pool.copy_prefix(other.slot, self.slot, n)
+        return True
 
     def nbytes(self) -> int:
         """Bytes of the positions this session has cached (its slot is allocated either way)."""

@@ -399,6 +399,51 @@ def test_a_forced_tool_call_through_the_services_is_the_target_alones(service_lo
     assert [c["function"]["name"] for c in calls] == ["weather"]
 
 
+def test_concurrent_choices_of_one_prompt_prefill_it_once(service_loop, chat_pair, hf_draft_service):
+    """Three generations of one long prompt at once (a request's n choices), on a pooled target:
+    the later ones copy the first's cached prompt, and each answer is the target alone's."""
+    from dataclasses import replace
+
+    from services.common.settings import TargetSettings
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from tests.services.conftest import Service
+
+    target = replace(chat_pair[0])
+    target.use_pool(4, 256)
+    servicer = TargetServicer(target)
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    prompt = "the cat sat on the mat and the dog sat on the log " * 2
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=24)
+    seeds = [replace(sampling, seed=s) for s in (1, 2, 3)]
+
+    async def run():
+        coord = Coordinator(CoordinatorConfig(svc.address, hf_draft_service.address), AsyncMemoryStateStore())
+        await coord.connect()
+
+        async def one(s):
+            return [t for ev in [e async for e in coord.generate(GenerateRequest(
+                prompt=prompt, sampling=s, spec=SpecParams("constant"), tenant="k1"))]
+                if not isinstance(ev, FinishEvent) for t in ev.token_ids]
+
+        try:
+            return await asyncio.gather(*(one(s) for s in seeds))
+        finally:
+            await coord.close()
+
+    try:
+        answers = asyncio.run(run())
+        shared = servicer.registry.get_sample_value("specd_target_prefill_shared_tokens_total",
+                                                    {"model": target.name})
+    finally:
+        svc.stop()
+    ids = target.encode_prompt(prompt, chat=False)
+    assert shared == 2 * (len(ids) - 1)
+    for s, got in zip(seeds, answers):
+        assert got == SpeculativeEngine(target).generate(ids, s, SpecParams("none")).token_ids
+
+
 def test_the_requests_tenant_reaches_the_targets_session(target_service, hf_draft_service):
     """The gateway names each key's requests (GenerateRequest.tenant); the target keeps its
     fair shares of KV slots by that name, so it must arrive there, through the proto too."""

@@ -146,6 +146,34 @@ def test_the_last_slot_goes_to_a_tenant_under_its_fair_share(pooled_service):
     eventually(lambda: pool.in_use() == 0)
 
 
+def test_a_tenants_second_session_copies_the_prompt_prefix_it_shares(pooled_service):
+    """Two sessions of one tenant with a 40-token prompt in common: the second takes the first's
+    39 cached positions instead of prefilling them, and verifies exactly as the first does.
+    Another tenant's session prefills its own."""
+    registry, labels = pooled_service.servicer.registry, {"model": pooled_service.servicer.target.name}
+    shared_before = registry.get_sample_value("specd_target_prefill_shared_tokens_total", labels) or 0.0
+    prompt = [(7 * i + 3) % 90 + 5 for i in range(40)]
+
+    async def run(tenants):
+        async with channel(pooled_service.address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            first = await _open(stub, prompt, tenant=tenants[0])
+            a = await _verify(first, prompt[:3])
+            second = await _open(stub, prompt, tenant=tenants[1])
+            b = await _verify(second, prompt[:3])
+            for c in (first, second):
+                await _close(c)
+            return a, b
+
+    a, b = asyncio.run(run(("", "")))  # (no tenant named: the 2-slot pool keeps no fair share)
+    assert (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+    assert registry.get_sample_value("specd_target_prefill_shared_tokens_total", labels) == shared_before + 39
+    eventually(lambda: pooled_service.servicer.target.pool.in_use() == 0)
+    a, b = asyncio.run(run(("", "kb")))
+    assert (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+    assert registry.get_sample_value("specd_target_prefill_shared_tokens_total", labels) == shared_before + 39
+
+
 def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service):
     """Every slot taken, one session closes while a forward runs: its slot is freed on the
     compute thread behind that forward. A session opened at once (a closed-loop client's next
