@@ -439,7 +439,9 @@ def test_concurrent_choices_of_one_prompt_prefill_it_once(service_loop, chat_pai
     finally:
         svc.stop()
     ids = target.encode_prompt(prompt, chat=False)
-    assert shared == 2 * (len(ids) - 1)
+    # Each later one copies the whole prompt but its last token (two of them, unless a
+    # machine so slow that one answer ended before another opened).
+    assert shared in (len(ids) - 1, 2 * (len(ids) - 1))
     for s, got in zip(seeds, answers):
         assert got == SpeculativeEngine(target).generate(ids, s, SpecParams("none")).token_ids
 
