@@ -139,6 +139,7 @@ class ModelCard:
     id: str  # the target model's name, served as the OpenAI `model`
     max_context: int
     draft: str | None  # drafter name, None when there is none
+    tool_format: str | None = None  # how the chat template writes tool calls (specd.tools), None: no tools
 
 
 class Backend(Protocol):

@@ -52,6 +52,7 @@ from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
+from specd.tools import template_format
 from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
 from specd.state import StateKey
 from specd.tree import check_branches
@@ -148,7 +149,8 @@ class Coordinator:
     # -- Backend ----------------------------------------------------------------------------
     def model_card(self) -> ModelCard:
         name = self.target_info.name if self.target_info else "unknown"
-        return ModelCard(name, self.target_info.max_context if self.target_info else 0, self.drafter_name)
+        return ModelCard(name, self.target_info.max_context if self.target_info else 0, self.drafter_name,
+                         template_format(self.tokenizer) if self.tokenizer is not None else None)
 
     async def ready(self) -> bool:
         """Connected, and the target answers SERVING within health_timeout_s."""

@@ -23,6 +23,7 @@ from services.coordinator.api import (
     named_logprobs,
 )
 from specd.detok import TextStream
+from specd.tools import template_format
 from specd.engine import GenerationRun, SpeculativeEngine
 
 
@@ -46,7 +47,8 @@ class LocalBackend:
 
     def model_card(self) -> ModelCard:
         drafter = self.engine.drafter
-        return ModelCard(self.target.name, self.target.max_context, drafter.name if drafter else None)
+        return ModelCard(self.target.name, self.target.max_context, drafter.name if drafter else None,
+                         template_format(self.target.tokenizer) if self.target.tokenizer is not None else None)
 
     async def ready(self) -> bool:
         return True

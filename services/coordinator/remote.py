@@ -39,7 +39,7 @@ class RemoteBackend:
             info = await self.stub.Info(common_pb2.InfoRequest(), timeout=10)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "coordinator") from None
-        self.card = ModelCard(info.model, info.max_context, info.drafter or None)
+        self.card = ModelCard(info.model, info.max_context, info.drafter or None, info.tool_format or None)
         self.connected = True
 
     def model_card(self) -> ModelCard:

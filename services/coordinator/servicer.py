@@ -16,7 +16,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def Info(self, request, context) -> coordinator_pb2.CoordinatorInfo:
         card = self.backend.model_card()
-        return coordinator_pb2.CoordinatorInfo(model=card.id, drafter=card.draft or "", max_context=card.max_context)
+        return coordinator_pb2.CoordinatorInfo(model=card.id, drafter=card.draft or "", max_context=card.max_context,
+                                               tool_format=card.tool_format or "")
 
     async def Generate(self, request, context):
         # A cancelled call closes this generator, which closes the backend's (freeing both caches).

@@ -55,6 +55,7 @@ from services.gateway.keys import KeyRing
 from services.gateway.limits import Limiter
 from services.gateway.metrics import GatewayMetrics, RequestCounter, key_label
 from services.gateway.reader import ReaderWatch
+from specd.tools import HERMES
 from services.gateway.schemas import (
     MAX_MESSAGES,
     ChatCompletion,
@@ -286,8 +287,10 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
     release = _enter(gw.admission, record, n)
     streaming = False
     try:
+        card = gw.backend.model_card()
         gen = convert.generate_request(body, default_policy=gw.default_policy,
-                                       max_tokens_limit=gw.max_tokens_limit)
+                                       max_tokens_limit=gw.max_tokens_limit, tool_format=card.tool_format)
+        tool_format = (card.tool_format or HERMES) if gen.tools_json else None  # the backend refuses tools it cannot
         # Over the key's limits: 429 at once. The lease ends the admission and the key's lease.
         lease = await gw.auth.admit(request, n * gen.sampling.max_new_tokens, release)
         lease.choices, release = n, lease.close
@@ -306,10 +309,10 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
                 await _aclose(events)
             raise
         merged = _interleave([_chain(first, events) for first, events in zip(firsts, sources)])
-        env = convert.Envelope.new(chat, gw.backend.model_card().id)
+        env = convert.Envelope.new(chat, card.id)
         if body.stream:
             per_choice = body.include_usage and n == 1  # n > 1: one usage chunk after every choice
-            chunkers = [convert.stream_chunks(env, chat, per_choice, i, bool(gen.tools_json)) for i in range(n)]
+            chunkers = [convert.stream_chunks(env, chat, per_choice, i, tool_format) for i in range(n)]
             head = convert.chat_head(env, n) if chat else []
             tail = (lambda finishes: [convert.usage_chunk(env, chat, finishes)]) if body.include_usage and n > 1 \
                 else (lambda finishes: [])
@@ -324,8 +327,8 @@ async def _complete(gw: Gateway, body: convert.Request, request: Request, chat: 
             lease.observe(a.finish)
         if gen.logprobs is None:
             answers = [dataclasses.replace(a, logprobs=None) for a in answers]
-        if gen.tools_json:
-            answers = [a.with_calls() for a in answers]
+        if tool_format:
+            answers = [a.with_calls(tool_format) for a in answers]
         return convert.chat_completion(env, answers) if chat else convert.completion(env, answers)
     finally:
         if not streaming:

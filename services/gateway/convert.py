@@ -43,7 +43,7 @@ from services.gateway.schemas import (
 )
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION
-from specd.tools import CallStream, call_grammar, parse_calls
+from specd.tools import HERMES, CallStream, call_grammar, parse_calls
 from specd.types import MAX_SEED, SamplingParams, SpecParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -55,7 +55,9 @@ Request = ChatCompletionRequest | CompletionRequest
 
 # -- requests ---------------------------------------------------------------------------------
 
-def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int) -> GenerateRequest:
+def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int,
+                     tool_format: str | None = None) -> GenerateRequest:
+    """tool_format: how the backend's model writes tool calls (ModelCard.tool_format)."""
     sampling = sampling_params(req, max_tokens_limit)
     spec = spec_params(req.speculative, default_policy)
     overlap = req.speculative.overlap
@@ -65,7 +67,7 @@ def generate_request(req: Request, *, default_policy: str, max_tokens_limit: int
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
             else []
         if req.must_call:  # one call, its arguments under the tool's schema (specd.tools)
-            grammar = call_grammar(tools, None if req.must_call is True else req.must_call)
+            grammar = call_grammar(tools, None if req.must_call is True else req.must_call, tool_format or HERMES)
             try:
                 grammar.validate()
             except InvalidRequest as e:
@@ -170,9 +172,9 @@ class Answer:
     logprobs: Sequence[Logprob] | None = None
     tool_calls: Sequence[dict] = ()  # the calls taken out of the text (specd.tools)
 
-    def with_calls(self) -> Answer:
-        """The answer with its tool calls taken out of its text."""
-        content, calls = parse_calls(self.text)
+    def with_calls(self, fmt: str) -> Answer:
+        """The answer with its tool calls (in format fmt) taken out of its text."""
+        content, calls = parse_calls(self.text, fmt)
         return replace(self, text=content, tool_calls=calls) if calls else self
 
 
@@ -240,11 +242,11 @@ def usage_chunk(env: Envelope, chat: bool, finishes: Sequence[FinishEvent]) -> B
 
 
 def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0,
-                  tools: bool = False) -> Callable[[Event], list[BaseModel]]:
-    """The chunks of each event of one streamed choice, in order; with tools, calls are taken
-    out of the text and sent as tool_calls deltas when the choice ends."""
-    if chat and tools:
-        return _calls_streamed(env, include_usage, index)
+                  tool_format: str | None = None) -> Callable[[Event], list[BaseModel]]:
+    """The chunks of each event of one streamed choice, in order; with tools (their call
+    format), calls are taken out of the text and sent as tool_calls deltas when the choice ends."""
+    if chat and tool_format:
+        return _calls_streamed(env, include_usage, index, tool_format)
     if chat:
         return lambda event: chat_chunks(env, event, include_usage, index)
     streamed = 0
@@ -258,8 +260,8 @@ def stream_chunks(env: Envelope, chat: bool, include_usage: bool, index: int = 0
     return chunks
 
 
-def _calls_streamed(env: Envelope, include_usage: bool, index: int) -> Callable[[Event], list[BaseModel]]:
-    stream = CallStream()
+def _calls_streamed(env: Envelope, include_usage: bool, index: int, fmt: str) -> Callable[[Event], list[BaseModel]]:
+    stream = CallStream(fmt)
 
     def chunks(event: Event) -> list[BaseModel]:
         if isinstance(event, TokenEvent):

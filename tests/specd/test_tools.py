@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specd.errors import InvalidRequest
-from specd.tools import CallStream, call_grammar, parse_calls
+from specd.tools import LLAMA3_JSON, CallStream, call_grammar, parse_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -53,3 +53,21 @@ def test_the_grammar_of_one_call_compiles_and_names_the_tools():
     with pytest.raises(InvalidRequest) as e:
         call_grammar(tools, "c")
     assert e.value.field == "tool_choice"
+
+
+def test_llama3_json_answers_are_calls_only_when_wholly_calls():
+    content, calls = parse_calls(' {"name": "w", "parameters": {"city": "Oslo"}}', LLAMA3_JSON)
+    assert content is None and calls[0]["function"] == {"name": "w", "arguments": '{"city": "Oslo"}'}
+    two = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+    assert [c["function"]["name"] for c in parse_calls(two, LLAMA3_JSON)[1]] == ["a", "b"]
+    for text in ('It is {"name": "w"}', '{"city": "Oslo"}', "{not json}", "plain"):
+        assert parse_calls(text, LLAMA3_JSON) == (text, [])
+    stream = CallStream(LLAMA3_JSON)
+    assert stream.push("  ") == "" and stream.push('{"name"') == "" and stream.push(': "w", "parameters": {}}') == ""
+    assert stream.finish()[1][0]["function"]["name"] == "w"
+    stream = CallStream(LLAMA3_JSON)
+    assert stream.push("Hello") == "Hello" and stream.push(" {x}") == " {x}" and stream.finish() == ("", [])
+    spec = call_grammar([{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}], None,
+                        LLAMA3_JSON)
+    spec.validate()
+    assert spec.kind == "json_schema" and '"parameters"' in spec.schema

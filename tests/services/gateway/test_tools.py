@@ -27,6 +27,17 @@ HERMES = (
     "<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = (  # the shape of Llama 3.1-3.3's template: tools in the first user message, calls as bare JSON
+    "{%- if tools %}<|im_start|>user\nGiven the following functions, please respond with a JSON for a function call. "
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}. "
+    "{% for t in tools %}{{ t.function.name }} {% endfor %}{{ messages[0].content }}<|im_end|>\n"
+    "{%- set messages = messages[1:] %}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>ipython\n{{ {'output': m.content} | tojson }}<|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{\"name\": \"{{ m.tool_calls[0].function.name }}\", "
+    "\"parameters\": {{ m.tool_calls[0].function.arguments | tojson }}}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 6}},
@@ -38,9 +49,10 @@ ASK = [{"role": "user", "content": "Rain in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def urls(serve):
-    """A gateway whose model's template takes tools, and one whose template does not."""
+    """Gateways whose model's template takes tools (Hermes, then Llama 3.x), and one whose
+    template does not (last)."""
     out = []
-    for template in (HERMES, None):
+    for template in (HERMES, LLAMA3, None):
         tok = char_tokenizer()
         if template:
             tok.chat_template = template
@@ -105,7 +117,7 @@ def test_earlier_calls_and_tool_results_are_rendered(urls):
     ({"messages": [{"role": "assistant", "content": None}]}, "messages.0"),
 ])
 def test_bad_tool_requests_name_their_field(urls, body, param):
-    url = urls[1] if param == "tools" else urls[0]
+    url = urls[-1] if param == "tools" else urls[0]
     r = _chat(url, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
@@ -125,3 +137,25 @@ def test_the_openai_sdk_reads_the_calls(urls):
         streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
         assert [t.function.name for t in streamed] == ["weather"]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_calls_are_parsed_and_forced(urls, stream):
+    body = {"messages": ASK, "max_tokens": 120, "temperature": 0, "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    if not stream:
+        alone = _chat(urls[1], **body, speculative={"enabled": False}).json()["choices"][0]
+        spec = _chat(urls[1], **body, speculative={"policy": "constant"}).json()["choices"][0]
+        assert spec["finish_reason"] == "tool_calls" and spec["message"]["content"] is None
+        calls = [c["message"]["tool_calls"] for c in (alone, spec)]
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls[0]] == \
+            [(t["function"]["name"], t["function"]["arguments"]) for t in calls[1]]
+    else:
+        with httpx.stream("POST", urls[1] + CHAT, json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        calls = [[t for d in deltas for t in d.get("tool_calls", [])]]
+        assert not any(d.get("content") for d in deltas)  # the call's JSON never went out as text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = calls[-1]
+    assert call["function"]["name"] == "weather" and set(json.loads(call["function"]["arguments"])) == {"city"}

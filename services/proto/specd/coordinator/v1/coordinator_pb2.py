@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.specd.common.v1 import common_pb2 as specd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&specd/coordinator/v1/coordinator.proto\x12\x14specd.coordinator.v1\x1a\x1cspecd/common/v1/common.proto\"F\n\x0f\x43oordinatorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.specd.coordinator.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa8\x02\n\x0bSpeculative\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12=\n\x06params\x18\x03 \x03(\x0b\x32-.specd.coordinator.v1.Speculative.ParamsEntry\x12\x10\n\x08task_tag\x18\x04 \x01(\t\x12\x0f\n\x07relaxed\x18\x05 \x01(\x08\x12\x14\n\x07overlap\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08\x62ranches\x18\x07 \x01(\x05H\x02\x88\x01\x01\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokensB\n\n\x08_overlapB\x0b\n\t_branches\"\xed\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".specd.coordinator.v1.ChatMessagesH\x00\x12\x34\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x1e.specd.coordinator.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x36\n\x0bspeculative\x18\x07 \x01(\x0b\x32!.specd.coordinator.v1.Speculative\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ntools_json\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_logprobs\"z\n\x10GenerateResponse\x12.\n\x06tokens\x18\x01 \x01(\x0b\x32\x1c.specd.coordinator.v1.TokensH\x00\x12.\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1c.specd.coordinator.v1.FinishH\x00\x42\x06\n\x04kind\"T\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1d.specd.coordinator.v1.Logprob\"S\n\x07Logprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x86\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x33\n\nspec_stats\x18\x04 \x01(\x0b\x32\x1f.specd.coordinator.v1.SpecStats\"\x97\x04\n\tSpecStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x15\n\rverifications\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_tokens\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x15\n\rdraft_lengths\x18\x08 \x03(\x05\x12\x18\n\x10\x61\x63\x63\x65pted_lengths\x18\t \x03(\x05\x12\x10\n\x08\x66\x61llback\x18\n \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x0b \x01(\t\x12\x0f\n\x07overlap\x18\x0c \x01(\x08\x12\r\n\x05lossy\x18\r \x01(\x08\x12\x13\n\x0bwall_time_s\x18\x0e \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x14\n\x0c\x64raft_wait_s\x18\x10 \x01(\x01\x12\x15\n\rverify_wait_s\x18\x11 \x01(\x01\x12\x18\n\x10relaxed_accepted\x18\x12 \x01(\x05\x12\x11\n\tdiscarded\x18\x13 \x01(\x05\x12\x15\n\rfallback_kind\x18\x14 \x01(\t\x12\x13\n\x0btree_rounds\x18\x15 \x01(\x05\x12\x17\n\x0f\x62ranch_accepted\x18\x16 \x01(\x05\x12\x19\n\x11\x64rafted_on_target\x18\x17 \x01(\x08\x12\x17\n\x0fgrammar_drafted\x18\x18 \x01(\x05\x32\xbe\x01\n\x12\x43oordinatorService\x12K\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a%.specd.coordinator.v1.CoordinatorInfo\x12[\n\x08Generate\x12%.specd.coordinator.v1.GenerateRequest\x1a&.specd.coordinator.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&specd/coordinator/v1/coordinator.proto\x12\x14specd.coordinator.v1\x1a\x1cspecd/common/v1/common.proto\"[\n\x0f\x43oordinatorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x13\n\x0btool_format\x18\x04 \x01(\t\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.specd.coordinator.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa8\x02\n\x0bSpeculative\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12=\n\x06params\x18\x03 \x03(\x0b\x32-.specd.coordinator.v1.Speculative.ParamsEntry\x12\x10\n\x08task_tag\x18\x04 \x01(\t\x12\x0f\n\x07relaxed\x18\x05 \x01(\x08\x12\x14\n\x07overlap\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08\x62ranches\x18\x07 \x01(\x05H\x02\x88\x01\x01\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokensB\n\n\x08_overlapB\x0b\n\t_branches\"\xed\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x08messages\x18\x02 \x01(\x0b\x32\".specd.coordinator.v1.ChatMessagesH\x00\x12\x34\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x1e.specd.coordinator.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x36\n\x0bspeculative\x18\x07 \x01(\x0b\x32!.specd.coordinator.v1.Speculative\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ntools_json\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_logprobs\"z\n\x10GenerateResponse\x12.\n\x06tokens\x18\x01 \x01(\x0b\x32\x1c.specd.coordinator.v1.TokensH\x00\x12.\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1c.specd.coordinator.v1.FinishH\x00\x42\x06\n\x04kind\"T\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1d.specd.coordinator.v1.Logprob\"S\n\x07Logprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x86\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x33\n\nspec_stats\x18\x04 \x01(\x0b\x32\x1f.specd.coordinator.v1.SpecStats\"\x97\x04\n\tSpecStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x15\n\rverifications\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_tokens\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x15\n\rdraft_lengths\x18\x08 \x03(\x05\x12\x18\n\x10\x61\x63\x63\x65pted_lengths\x18\t \x03(\x05\x12\x10\n\x08\x66\x61llback\x18\n \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x0b \x01(\t\x12\x0f\n\x07overlap\x18\x0c \x01(\x08\x12\r\n\x05lossy\x18\r \x01(\x08\x12\x13\n\x0bwall_time_s\x18\x0e \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x14\n\x0c\x64raft_wait_s\x18\x10 \x01(\x01\x12\x15\n\rverify_wait_s\x18\x11 \x01(\x01\x12\x18\n\x10relaxed_accepted\x18\x12 \x01(\x05\x12\x11\n\tdiscarded\x18\x13 \x01(\x05\x12\x15\n\rfallback_kind\x18\x14 \x01(\t\x12\x13\n\x0btree_rounds\x18\x15 \x01(\x05\x12\x17\n\x0f\x62ranch_accepted\x18\x16 \x01(\x05\x12\x19\n\x11\x64rafted_on_target\x18\x17 \x01(\x08\x12\x17\n\x0fgrammar_drafted\x18\x18 \x01(\x05\x32\xbe\x01\n\x12\x43oordinatorService\x12K\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a%.specd.coordinator.v1.CoordinatorInfo\x12[\n\x08Generate\x12%.specd.coordinator.v1.GenerateRequest\x1a&.specd.coordinator.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIVE_PARAMSENTRY']._loaded_options = None
   _globals['_SPECULATIVE_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_COORDINATORINFO']._serialized_start=94
-  _globals['_COORDINATORINFO']._serialized_end=164
-  _globals['_CHATMESSAGE']._serialized_start=166
-  _globals['_CHATMESSAGE']._serialized_end=257
-  _globals['_CHATMESSAGES']._serialized_start=259
-  _globals['_CHATMESSAGES']._serialized_end=326
-  _globals['_TOKENIDS']._serialized_start=328
-  _globals['_TOKENIDS']._serialized_end=351
-  _globals['_SPECULATIVE']._serialized_start=354
-  _globals['_SPECULATIVE']._serialized_end=650
-  _globals['_SPECULATIVE_PARAMSENTRY']._serialized_start=559
-  _globals['_SPECULATIVE_PARAMSENTRY']._serialized_end=604
-  _globals['_GENERATEREQUEST']._serialized_start=653
-  _globals['_GENERATEREQUEST']._serialized_end=1018
-  _globals['_GENERATERESPONSE']._serialized_start=1020
-  _globals['_GENERATERESPONSE']._serialized_end=1142
-  _globals['_TOKENS']._serialized_start=1144
-  _globals['_TOKENS']._serialized_end=1228
-  _globals['_LOGPROB']._serialized_start=1230
-  _globals['_LOGPROB']._serialized_end=1313
-  _globals['_FINISH']._serialized_start=1316
-  _globals['_FINISH']._serialized_end=1450
-  _globals['_SPECSTATS']._serialized_start=1453
-  _globals['_SPECSTATS']._serialized_end=1988
-  _globals['_COORDINATORSERVICE']._serialized_start=1991
-  _globals['_COORDINATORSERVICE']._serialized_end=2181
+  _globals['_COORDINATORINFO']._serialized_end=185
+  _globals['_CHATMESSAGE']._serialized_start=187
+  _globals['_CHATMESSAGE']._serialized_end=278
+  _globals['_CHATMESSAGES']._serialized_start=280
+  _globals['_CHATMESSAGES']._serialized_end=347
+  _globals['_TOKENIDS']._serialized_start=349
+  _globals['_TOKENIDS']._serialized_end=372
+  _globals['_SPECULATIVE']._serialized_start=375
+  _globals['_SPECULATIVE']._serialized_end=671
+  _globals['_SPECULATIVE_PARAMSENTRY']._serialized_start=580
+  _globals['_SPECULATIVE_PARAMSENTRY']._serialized_end=625
+  _globals['_GENERATEREQUEST']._serialized_start=674
+  _globals['_GENERATEREQUEST']._serialized_end=1039
+  _globals['_GENERATERESPONSE']._serialized_start=1041
+  _globals['_GENERATERESPONSE']._serialized_end=1163
+  _globals['_TOKENS']._serialized_start=1165
+  _globals['_TOKENS']._serialized_end=1249
+  _globals['_LOGPROB']._serialized_start=1251
+  _globals['_LOGPROB']._serialized_end=1334
+  _globals['_FINISH']._serialized_start=1337
+  _globals['_FINISH']._serialized_end=1471
+  _globals['_SPECSTATS']._serialized_start=1474
+  _globals['_SPECSTATS']._serialized_end=2009
+  _globals['_COORDINATORSERVICE']._serialized_start=2012
+  _globals['_COORDINATORSERVICE']._serialized_end=2202
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CoordinatorInfo(_message.Message):
-    __slots__ = ("model", "drafter", "max_context")
+    __slots__ = ("model", "drafter", "max_context", "tool_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     max_context: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., max_context: _Optional[int] = ...) -> None: ...
+    tool_format: str
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., max_context: _Optional[int] = ..., tool_format: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls_json", "tool_call_id")
