@@ -117,7 +117,6 @@ class Grammar:
         self.matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size, eos), spec.grammar())
         if self.matcher.is_error():
             raise InvalidRequest(FIELD, f"the grammar cannot be used: {self.matcher.get_error()[:300]}")
-        self.forced_drafts = 0  # tokens drafted because the grammar forced them (spec_stats)
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next [vocab] (bool)."""
@@ -131,8 +130,8 @@ class Grammar:
         out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
         kept = 0
         for j in range(out.shape[0]):
-            allowed = self.allowed().to(out.device)
-            out[j, :self.vocab].masked_fill_(~allowed, float("-inf"))
+            allowed = self.allowed()  # on the host: read there, one copy to the device per row
+            out[j, :self.vocab].masked_fill_(~allowed.to(out.device), float("-inf"))
             if j >= len(drafts) or j == out.shape[0] - 1:
                 break
             token = drafts[j]

@@ -35,7 +35,8 @@ def penalize(logits: torch.Tensor, sampling: SamplingParams, prompt: Sequence[in
     """logits [R, V] of a window, row j following prompt + generated + drafts[:j] -> the logits
     with sampling's bias and penalties applied (a new tensor; logits itself where nothing
     applies). R - 1 <= len(drafts) rows beyond the first read drafts."""
-    if not sampling.adjusts_logits:
+    penalized = (sampling.repetition_penalty != 1.0, bool(sampling.frequency_penalty or sampling.presence_penalty))
+    if not sampling.logit_bias and not any(penalized):  # a grammar alone, say: nothing here
         return logits
     rows, device = logits.shape[0], logits.device
     out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
@@ -43,7 +44,6 @@ def penalize(logits: torch.Tensor, sampling: SamplingParams, prompt: Sequence[in
         ids = torch.tensor([t for t, _ in sampling.logit_bias], dtype=torch.long, device=device)
         bias = torch.tensor([b for _, b in sampling.logit_bias], dtype=out.dtype, device=device)
         out[:, ids] += bias
-    penalized = (sampling.repetition_penalty != 1.0, bool(sampling.frequency_penalty or sampling.presence_penalty))
     if not any(penalized):
         return out
     drafts = list(drafts[:rows - 1])
