@@ -29,7 +29,7 @@ from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.grammar import Grammar
 from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
-from specd.penalties import check_logit_bias, penalize
+from specd.penalties import check_logit_bias
 from specd.policies import (
     NO_SPECULATION,
     PolicyResources,
@@ -38,7 +38,7 @@ from specd.policies import (
     check_spec,
     request_policy,
 )
-from specd.round import commit_tokens, draft_window
+from specd.round import commit_tokens, draft_window, judged_window
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
@@ -139,8 +139,7 @@ class GenerationRun:
         # Draft trees (specd.tree); not under penalties, whose counts follow one chain, nor with
         # log-probabilities, which are a chain's.
         chains = sampling.adjusts_logits or logprobs is not None
-        self.grammar = (Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
-                        if sampling.grammar is not None else None)
+        self.grammar = Grammar.for_model(sampling.grammar, target) if sampling.grammar is not None else None
         self.trees = TreePlanner(*shape) if shape[0] and not chains else None
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, where asked
@@ -296,11 +295,8 @@ class GenerationRun:
         q = torch.stack(qs) if qs and qs[0] is not None else None
         vocab = self.target.emitted_vocab
         logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
-        logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:committed],
-                          drafts)
-        if self.grammar is not None:  # drafts past the first the grammar forbids are not judged
-            logits, kept = self.grammar.constrain(logits, drafts)
-            drafts, logits, q = drafts[:kept], logits[:kept + 1], q[:kept] if q is not None else None
+        logits, q, drafts = judged_window(logits, q, drafts, self.sampling, self.grammar, self.seq[:self.prompt_len],
+                                          self.seq[self.prompt_len:committed])
         threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
         return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
                              committed)

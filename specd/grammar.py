@@ -118,6 +118,11 @@ class Grammar:
         if self.matcher.is_error():
             raise InvalidRequest(FIELD, f"the grammar cannot be used: {self.matcher.get_error()[:300]}")
 
+    @classmethod
+    def for_model(cls, spec: GrammarSpec, model) -> Grammar:
+        """The grammar state of a LoadedModel's tokenizer, over the ids it emits."""
+        return cls(spec, model.tokenizer, model.emitted_vocab, model.eos_token_ids)
+
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next [vocab] (bool)."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")

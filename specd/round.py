@@ -7,9 +7,25 @@ import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from specd.drafters.base import DraftSession
+from specd.grammar import Grammar
+from specd.penalties import penalize
 from specd.policies.base import Decision, StoppingPolicy
 from specd.types import DraftStep, RoundOutcome, SamplingParams
+
+
+def judged_window(logits: torch.Tensor, q: torch.Tensor | None, drafts: list[int], sampling: SamplingParams,
+                  grammar: Grammar | None, prompt: Sequence[int], generated: Sequence[int]):
+    """A window as verification judges it: (logits, q, drafts) with the request's penalties and
+    bias applied (specd.penalties) and its grammar's masks (specd.grammar), the drafts cut
+    before the first one the grammar forbids. prompt, generated: the committed tokens."""
+    logits = penalize(logits, sampling, prompt, generated, drafts)
+    if grammar is not None:
+        logits, kept = grammar.constrain(logits, drafts)
+        drafts, logits, q = drafts[:kept], logits[:kept + 1], q[:kept] if q is not None else None
+    return logits, q, drafts
 
 
 def commit_tokens(new: Sequence[int], committed: int, eos: Container[int],

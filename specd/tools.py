@@ -30,12 +30,17 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _LLAMA3_SIGN = '"parameters": dictionary of argument name'  # what Llama 3.x templates ask calls to look like
 
 
-def template_format(tokenizer) -> str | None:
-    """How the model's chat template has it write tool calls; None where it takes no tools, or
-    writes them in a format specd does not parse."""
+def _template(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates: the default, or one for tool use
         template = template.get("tool_use") or template.get("default") or ""
+    return template
+
+
+def template_format(tokenizer) -> str | None:
+    """How the model's chat template has it write tool calls; None where it takes no tools, or
+    writes them in a format specd does not parse."""
+    template = _template(tokenizer)
     if "tools" not in template:
         return None
     if OPEN in template:
@@ -51,8 +56,7 @@ def check_template(tokenizer) -> str:
     fmt = template_format(tokenizer)
     if fmt is not None:
         return fmt
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if "tools" not in (template if isinstance(template, str) else " ".join(template.values())):
+    if "tools" not in _template(tokenizer):
         raise InvalidRequest("tools", "this model's chat template takes no tools")
     raise InvalidRequest("tools", "this model's chat template writes tool calls in a format specd does not parse "
                                   "yet (it parses Hermes-style <tool_call> tags and Llama 3.x's JSON calls)")

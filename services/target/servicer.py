@@ -149,7 +149,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except Overloaded:
             self.metrics.observe_refused()
             raise
-        session.prefilled = asyncio.Event()  # set once its prompt is cached, however its call ends
         donor = self._donor(session)
         self.sessions.add(session)
         local: LocalDrafting | None = None  # the session drafts here
@@ -251,8 +250,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sampling = sampling_from_proto(open_msg.sampling)
         grammar = None
         if sampling.grammar is not None:  # compiled off the event loop, where every session's replies go
-            t = self.target
-            grammar = await asyncio.to_thread(Grammar, sampling.grammar, t.tokenizer, t.emitted_vocab, t.eos_token_ids)
+            grammar = await asyncio.to_thread(Grammar.for_model, sampling.grammar, self.target)
 
         def new() -> TargetSession:
             return TargetSession(self.target, list(open_msg.prompt_ids), sampling, open_msg.features, open_msg.tenant,

@@ -5,6 +5,8 @@ window (engine.py's invariant, docs/engine.md, "The round")."""
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from specd.dvi import top_logprobs
@@ -13,7 +15,8 @@ from specd.errors import InvalidRequest
 from specd.models.loading import LoadedModel
 from specd.grammar import Grammar
 from specd.logprobs import check_logprobs, emitted_logprobs
-from specd.penalties import check_logit_bias, penalize
+from specd.penalties import check_logit_bias
+from specd.round import judged_window
 from specd.sampling import request_generator
 from specd.tree import DraftTree, verify_tree
 from specd.types import SamplingParams, SpecParams
@@ -35,10 +38,11 @@ class TargetSession:
         self.seq = list(prompt)
         self.prompt_len = len(prompt)
         self.grammar = grammar if grammar is not None or sampling.grammar is None else \
-            Grammar(sampling.grammar, target.tokenizer, target.emitted_vocab, target.eos_token_ids)
+            Grammar.for_model(sampling.grammar, target)
         self.kv = target.session()
         check_logprobs(logprobs, SpecParams())
         self.logprobs = logprobs  # return emitted tokens' log-probabilities with this many alternatives
+        self.prefilled = asyncio.Event()  # its prompt is cached (set however its call ends): others may copy it
         self.tenant = tenant  # who the session is for (OpenTarget.tenant), for the KV pool's fair shares
         self.features = features  # return the hidden states of committed positions (feature drafters)
         self.prompt_features: torch.Tensor | None = None  # the prefill's, sent with the first verification
@@ -173,10 +177,8 @@ class TargetSession:
                relaxed_threshold: float | None, relaxed: bool, best: list[int] | None = None) -> Verdict:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
         committed = len(self.seq)
-        logits = penalize(logits, self.sampling, self.seq[:self.prompt_len], self.seq[self.prompt_len:], drafts)
-        if self.grammar is not None:  # drafts past the first the grammar forbids are not judged
-            logits, kept = self.grammar.constrain(logits, drafts)
-            drafts, logits, q = drafts[:kept], logits[:kept + 1], q[:kept] if q is not None else None
+        logits, q, drafts = judged_window(logits, q, drafts, self.sampling, self.grammar, self.seq[:self.prompt_len],
+                                          self.seq[self.prompt_len:])
         verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
                                 committed, best)
         n = verdict.num_accepted
