@@ -12,8 +12,12 @@ sees), against services it starts itself (four `specd serve` processes on loopba
 - Open loop (`--rates R1,R2`): requests arrive as a Poisson process of R per second whatever
   the server does (a server that falls behind builds a queue, or refuses).
 - Modes: `none` (the target alone), a stopping policy's name, or `peer` (no speculative
-  extension). Every mode runs the same prompts; at each load level the modes alternate,
-  their order rotating with each repeat, so that slow drift of the machine cancels.
+  extension). Every mode runs the same prompts. Before any is measured, each mode answers one
+  short request of its own (a warm-up, so that its first-use costs, a policy's first forward
+  shapes among them, fall outside the measured runs; results.json records each as `warm_up`).
+  At each load level the modes take turns, in the order given in even repeats and reversed in
+  odd ones (ABBA: A B, B A, A B, ...; two repeats by default), so that slow drift of the
+  machine falls on every mode alike.
 - Reported per mode and load level, with the names of vLLM's serving benchmark: output
   tokens/s, requests/s, TTFT, TPOT ((e2e - TTFT) / (tokens - 1), per request), ITL (gaps
   between streamed chunks), end-to-end latency at p50/p95/p99, goodput (requests/s meeting
@@ -65,7 +69,9 @@ def add_command(sub) -> None:
     b.add_argument("--duration", type=float, default=0.0,
                    help="open loop: keep arrivals coming for this many seconds, the prompts in turn (0: each "
                         "prompt once)")
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=2,
+                   help="runs of every mode at each load level, the order of the modes reversed in every "
+                        "other one (ABBA: A B, then B A)")
     b.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     b.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -306,6 +312,17 @@ def target_stats(before: dict[str, float], after: dict[str, float], wall: float)
             "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0}
 
 
+WARM_UP_TOKENS = 4  # the tokens of each mode's warm-up request
+
+
+def mode_order(modes: list[str], repeat: int) -> list[str]:
+    """The order in which repeat `repeat` runs the modes at a load level: as given in even
+    repeats, reversed in odd ones (ABBA). Over each pair of repeats every mode's places sum
+    alike, so a drift of the machine that is linear in time falls on every mode alike; with two
+    modes each runs first once."""
+    return list(modes) if repeat % 2 == 0 else list(reversed(modes))
+
+
 async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambda: {},
               target_metrics: str | None = None) -> dict:
     """memory(): resident MB of each service process started here ({} for --url);
@@ -317,15 +334,20 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
     summary: dict = {}
     cells: dict[str, dict[str, list[Result]]] = {}
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        warm = {**request_body(modes[0], bodies[0]["messages"], args), "max_tokens": 4}
-        await one_request(client, url, warm, Result(-1, "warm-up", "", 0, 0.0), time.perf_counter())
+        warm_up = {}
+        for mode in modes:  # each mode's first-use costs paid before any is measured
+            warm = {**request_body(mode, bodies[0]["messages"], args), "max_tokens": WARM_UP_TOKENS}
+            r = await one_request(client, url, warm, Result(-1, mode, "warm-up", 0, 0.0), time.perf_counter())
+            warm_up[mode] = {"status": r.status, "e2e_ms": round(1e3 * r.e2e, 2), "tokens": r.tokens,
+                             "error": r.error}
+            print(f"warm-up {mode}: status {r.status}, {r.tokens} tokens in {warm_up[mode]['e2e_ms']} ms"
+                  + (f", error {r.error}" if r.error else ""), flush=True)
         rss = {"start": memory()}
         long = long_messages([b["messages"][0]["content"] for b in bodies], args.long_prompt_tokens)
         for kind, value in levels:
             level = f"{kind}{value:g}"
             for repeat in range(args.repeats):
-                order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
-                for mode in order:
+                for mode in mode_order(modes, repeat):
                     mbodies = [request_body(mode, b["messages"], args) for b in bodies]
                     before = await scrape(client, target_metrics)
                     if kind == "c":
@@ -344,7 +366,7 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
                           f"errors {s['errors']}", flush=True)
             rss[f"after {level}"] = memory()
     greedy = args.temperature == 0
-    return {"summary": summary, "compare": compare(cells, greedy), "memory_mb": rss,
+    return {"summary": summary, "compare": compare(cells, greedy), "memory_mb": rss, "warm_up": warm_up,
             "requests": {lvl: {m: [asdict(r) for r in rs] for m, rs in by.items()} for lvl, by in cells.items()}}
 
 

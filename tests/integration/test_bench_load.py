@@ -1,6 +1,7 @@
 """`specd bench-load` against the real four-process stack (its target on the KV pool): greedy
 answers of several concurrent streams, with speculation and without, are the target alone's,
-and the report carries every load level and mode."""
+every mode is warmed before any is measured, and the report carries every load level
+and mode."""
 
 from __future__ import annotations
 
@@ -24,10 +25,15 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, reference):
+def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, reference, capsys):
     bodies = [{"messages": MESSAGES}] + [{"messages": [{"role": "user", "content": q}]} for q in OTHERS]
     doc = asyncio.run(bench_load.run(_args(), stack.url, bodies, ["none", "heuristic", "cost-aware"],
                                      target_metrics=stack.metrics_url("target")))
+    out = capsys.readouterr().out
+    for mode in ("none", "heuristic", "cost-aware"):  # every mode warmed, before any cell is measured
+        warm = doc["warm_up"][mode]
+        assert warm["status"] == 200 and not warm["error"] and warm["tokens"] > 0
+        assert out.index(f"warm-up {mode}: status 200") < out.index("c1 none (repeat 0)")
     for level in ("c1", "c4"):
         for mode in ("none", "heuristic", "cost-aware"):
             s = doc["summary"][level][mode][0]

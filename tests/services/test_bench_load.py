@@ -1,4 +1,5 @@
-"""bench-load's arithmetic: percentiles, TPOT and goodput as vLLM's serving benchmark defines them."""
+"""bench-load's arithmetic (percentiles, TPOT and goodput as vLLM's serving benchmark defines them),
+and how it warms and orders the modes."""
 
 from __future__ import annotations
 
@@ -79,3 +80,55 @@ def test_a_request_says_the_sampling_asked_for_and_nothing_it_was_not():
     doc = {"settings": {"limit": 4, "dataset": "x.jsonl", "max_tokens": 8, "temperature": 0.7, "top_p": 0.95},
            "machine": "m", "server": "s", "summary": {}, "compare": {}, "requests": {}}
     assert bench_load.report(doc).splitlines()[0].endswith("8 tokens, T = 0.7, top-p 0.95")
+
+
+def test_the_modes_take_turns_abba_so_that_no_mode_always_runs_first():
+    assert [bench_load.mode_order(["none", "cost-aware"], r) for r in range(4)] == [
+        ["none", "cost-aware"], ["cost-aware", "none"], ["none", "cost-aware"], ["cost-aware", "none"]]
+    firsts = [bench_load.mode_order(["none", "cost-aware"], r)[0] for r in range(2)]
+    assert sorted(firsts) == ["cost-aware", "none"]  # over two repeats each mode runs first once
+    modes = ["none", "heuristic", "cost-aware"]
+    pair = [bench_load.mode_order(modes, r) for r in (0, 1)]
+    assert pair == [modes, modes[::-1]]
+    places = {m: sum(order.index(m) for order in pair) for m in modes}
+    assert places == dict.fromkeys(modes, 2)  # each mode's places sum alike: a linear drift cancels
+    assert modes == ["none", "heuristic", "cost-aware"]  # the caller's list is left as it was
+
+
+def test_two_repeats_by_default():
+    parser = argparse.ArgumentParser()
+    bench_load.add_command(parser.add_subparsers())
+    assert parser.parse_args(["bench-load"]).repeats == 2
+
+
+def test_every_mode_is_warmed_with_its_own_request_before_any_is_measured(monkeypatch, capsys):
+    """run() against a stand-in for the server: one short warm-up per mode, carrying that mode's
+    speculative setting, then the measured cells in ABBA order."""
+    import asyncio
+
+    calls = []
+
+    async def answer(client, url, body, result, t0):
+        calls.append((result.level, result.mode, body.get("speculative"), body["max_tokens"]))
+        result.status, result.ttft, result.e2e, result.tokens, result.text = 200, 0.01, 0.02, 2, "ok"
+        return result
+
+    monkeypatch.setattr(bench_load, "one_request", answer)
+    args = argparse.Namespace(model="m", max_tokens=16, temperature=0.0, top_p=1.0, seed=None,
+                              concurrency="1", rates="", repeats=2, slo_ttft_ms=None, slo_tpot_ms=None, timeout=5.0,
+                              long_prompt_tokens=0, duration=0.0)
+    bodies = [{"messages": [{"role": "user", "content": q}]} for q in ("a?", "b?")]
+    modes = ["none", "heuristic", "cost-aware"]
+    doc = asyncio.run(bench_load.run(args, "http://127.0.0.1:1", bodies, modes))
+    warm, measured = calls[:3], calls[3:]
+    assert warm == [("warm-up", "none", {"enabled": False}, bench_load.WARM_UP_TOKENS),
+                    ("warm-up", "heuristic", {"policy": "heuristic"}, bench_load.WARM_UP_TOKENS),
+                    ("warm-up", "cost-aware", {"policy": "cost-aware"}, bench_load.WARM_UP_TOKENS)]
+    assert all(level == "c1" and n == 16 for level, _, _, n in measured)
+    assert [mode for _, mode, _, _ in measured[::2]] == modes + modes[::-1]  # two prompts a cell
+    assert sorted(doc["warm_up"]) == sorted(modes)
+    assert all(w["status"] == 200 for w in doc["warm_up"].values())
+    assert [len(doc["summary"]["c1"][m]) for m in modes] == [2, 2, 2]
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("warm-up")] == [
+        f"warm-up {m}" for m in modes]
