@@ -34,8 +34,12 @@ class Delta:
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    """keep: control tokens whose text stays in the text, id -> text (decoding drops control
+    tokens; a tool-call format written with them needs them, specd.tools.call_tokens)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), keep: dict[int, str] | None = None):
         self.tokenizer = tokenizer
+        self.keep = keep or {}
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []  # every kept id, in order
         self.stopped = False
@@ -78,7 +82,16 @@ class TextStream:
     def _decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:  # an id-only model: tokens, no text
             return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if not self.keep or self.keep.keys().isdisjoint(ids):
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        parts, run = [], []
+        for i in ids:
+            if i in self.keep:
+                parts += [self.tokenizer.decode(run, skip_special_tokens=True), self.keep[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self.tokenizer.decode(run, skip_special_tokens=True)
 
     def _since(self, i: int) -> str:
         """self.text[i:], from the last pieces only."""

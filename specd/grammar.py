@@ -16,6 +16,7 @@ wherever the target's masked distribution leaves only them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,30 @@ from specd.errors import InvalidRequest
 MAX_SCHEMA_CHARS = 1 << 16
 KINDS = ("json_object", "json_schema", "lark")  # lark: llguidance's Lark grammar text (tool calls, specd.tools)
 FIELD = "response_format"
+_SPECIAL = re.compile(r"<special:(\[[A-Z_]+\])>")
+
+
+def special(token: str) -> str:
+    """A Lark grammar's reference to the model's control token `token` (such as Mistral's
+    [TOOL_CALLS]) by its text: the grammar of a model's tokenizer finds its id."""
+    return f"<special:{token}>"
+
+
+def token_id(tokenizer, token: str) -> int | None:
+    """The id of the token whose text is `token` in tokenizer's vocabulary, or None."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int) or tokenizer.convert_ids_to_tokens(found) != token:
+        return None  # unknown: the unknown token's id, or None
+    return found
+
+
+def _token_id(tokenizer, token: str) -> int:
+    if tokenizer is None:  # checked without a model: any id compiles alike
+        return 0
+    found = token_id(tokenizer, token)
+    if found is None:
+        raise InvalidRequest(FIELD, f"the grammar names {token}, which this model's tokenizer has not")
+    return found
 
 
 @dataclass(frozen=True)
@@ -37,11 +62,13 @@ class GrammarSpec:
     kind: str
     schema: str = ""
 
-    def grammar(self) -> str:
+    def grammar(self, tokenizer=None) -> str:
+        """llguidance's grammar; a Lark grammar's control tokens (special) resolved in tokenizer."""
         from llguidance import LLMatcher
 
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.schema)
+            return LLMatcher.grammar_from_lark(_SPECIAL.sub(lambda m: f"<[{_token_id(tokenizer, m.group(1))}]>",
+                                                            self.schema))
         return LLMatcher.grammar_from_json_schema(self.schema if self.kind == "json_schema" else '{"type": "object"}')
 
     def validate(self) -> None:
@@ -114,7 +141,7 @@ class Grammar:
         if tokenizer is None:
             raise InvalidRequest(FIELD, "this model has no tokenizer to constrain its output with")
         self.vocab = vocab_size
-        self.matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size, eos), spec.grammar())
+        self.matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size, eos), spec.grammar(tokenizer))
         if self.matcher.is_error():
             raise InvalidRequest(FIELD, f"the grammar cannot be used: {self.matcher.get_error()[:300]}")
 

@@ -52,7 +52,7 @@ from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
 from specd.models.loading import encode_prompt
-from specd.tools import template_format
+from specd.tools import call_tokens, template_format
 from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
 from specd.state import StateKey
 from specd.tree import check_branches
@@ -211,7 +211,8 @@ class Coordinator:
         if fallback_reason:
             loop.stats.fallback, loop.stats.fallback_reason = True, fallback_reason
             loop.stats.fallback_kind = "unavailable"
-        stream = TextStream(self.tokenizer, request.sampling.stop)
+        stream = TextStream(self.tokenizer, request.sampling.stop,
+                            call_tokens(self.tokenizer, template_format(self.tokenizer)) if request.tools_json else None)
         try:
             async for new in loop.run():
                 released = len(stream.ids)  # the index of new[0] among the generated ids

@@ -23,7 +23,7 @@ from services.coordinator.api import (
     named_logprobs,
 )
 from specd.detok import TextStream
-from specd.tools import template_format
+from specd.tools import call_tokens, template_format
 from specd.engine import GenerationRun, SpeculativeEngine
 
 
@@ -66,7 +66,8 @@ class LocalBackend:
         try:
             # Raises InvalidRequest here, before the first event, for a bad prompt or parameter.
             run = await self._call(self._open, session, request)
-            stream = TextStream(self.target.tokenizer, request.sampling.stop)
+            stream = TextStream(self.target.tokenizer, request.sampling.stop,
+                                call_tokens(self.target.tokenizer, template_format(self.target.tokenizer)) if request.tools_json else None)
             rounds = iter(run)
             while not stream.stopped:
                 new = await self._call(next, rounds, None)

@@ -299,7 +299,8 @@ class ChatCompletionRequest(_Knobs):
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
     tools: Annotated[list[Tool], Field(max_length=MAX_UNSUPPORTED_ITEMS)] | None = Field(
-        None, description="functions the model may call (chat templates with Hermes-style <tool_call> tags)")
+        None, description="functions the model may call (chat templates that write Hermes-style <tool_call> tags, "
+                          "Llama 3.x's JSON calls or Mistral's [TOOL_CALLS])")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (the default with tools), required (one call), or a named function")
 

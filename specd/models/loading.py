@@ -125,14 +125,17 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, tools: list[d
     which renders tools where given (specd.tools: a template that takes none is refused)."""
     if isinstance(prompt, str) and not prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
+    fmt = None
     if tools:
         from specd.tools import check_template
 
-        check_template(tokenizer)
+        fmt = check_template(tokenizer)
     if chat and getattr(tokenizer, "chat_template", None):
         from jinja2 import TemplateError
 
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        from specd.tools import history_for
+
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else history_for(prompt, fmt)
         try:
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None,
                                                       tokenize=True, return_dict=False))

@@ -107,6 +107,18 @@ def test_special_and_unknown_ids_add_no_text_but_are_kept(chars):
     assert delta.text == "ab" and len(delta.token_ids) == 4
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_kept_control_tokens_keep_their_text_and_only_theirs(chunk):
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    calls, eos = tok.convert_tokens_to_ids("[TOOL_CALLS]"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids = _encoder(tok)("Hi ") + [calls] + _encoder(tok)(' [{"a": 1}]') + [eos]
+    stream = TextStream(tok, keep={calls: "[TOOL_CALLS]"})
+    texts = [stream.push(ids[i:i + chunk]).text for i in range(0, len(ids), chunk)] + [stream.finish().text]
+    assert "".join(texts) == 'Hi [TOOL_CALLS] [{"a": 1}]'
+    assert "".join(_stream_all(tok, ids, chunk)[0]) == 'Hi  [{"a": 1}]'  # dropped where not kept
+
+
 @pytest.mark.parametrize("text, stop, want", [
     ("hello", ("lo!",), 2),  # "lo" may become "lo!"
     ("hello", ("xyz",), 0),

@@ -399,6 +399,54 @@ def test_a_forced_tool_call_through_the_services_is_the_target_alones(service_lo
     assert [c["function"]["name"] for c in calls] == ["weather"]
 
 
+def test_mistral_calls_keep_their_control_token_through_the_services(service_loop):
+    """Mistral's calls start with [TOOL_CALLS], a control token: the coordinator keeps its text
+    for a request with tools (and only then), so the gateway can find the call; the answer is
+    the target alone's, with the target drafting itself."""
+    from services.common.settings import TargetSettings
+    from services.target.main import start as start_target
+    from services.target.servicer import TargetServicer
+    from specd.drafters import build_drafter
+    from specd.models.tiny import char_tokenizer, loaded, tiny_llama
+    from specd.tools import MISTRAL, call_grammar, parse_calls
+    from tests.services.conftest import Service
+    from tests.services.gateway.test_tools import ASK, MISTRAL as TEMPLATE, MISTRAL_TOKENS, WEATHER
+
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": MISTRAL_TOKENS[:7]})
+    tok.chat_template = TEMPLATE
+    target = loaded(tiny_llama(0, layers=4, vocab_size=len(tok)), "tiny-mistral", tok)
+    servicer = TargetServicer(target, drafter=build_drafter("ngram", None))
+    server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
+    svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
+    sampling = SamplingParams(max_new_tokens=120, grammar=call_grammar([WEATHER], None, MISTRAL))
+
+    async def run(tools_json: str):
+        coord = Coordinator(CoordinatorConfig(svc.address, None), AsyncMemoryStateStore())
+        await coord.connect()
+        ids, text = [], ""
+        try:
+            request = GenerateRequest(messages=tuple(ASK), sampling=sampling, spec=SpecParams("constant"),
+                                      tools_json=tools_json)
+            async for ev in coord.generate(request):
+                if not isinstance(ev, FinishEvent):
+                    ids, text = ids + list(ev.token_ids), text + ev.text
+        finally:
+            await coord.close()
+        return ids, text
+
+    try:
+        ids, text = asyncio.run(run(json.dumps([WEATHER])))
+        _, plain = asyncio.run(run(""))
+    finally:
+        svc.stop()
+    prompt = target.encode_prompt(list(ASK), chat=True, tools=[WEATHER])
+    assert ids == SpeculativeEngine(target).generate(prompt, sampling, SpecParams("none")).token_ids
+    assert text.startswith("[TOOL_CALLS] [") and "[TOOL_CALLS]" not in plain
+    content, calls = parse_calls(text, MISTRAL)
+    assert content is None and [c["function"]["name"] for c in calls] == ["weather"]
+
+
 def test_concurrent_choices_of_one_prompt_prefill_it_once(service_loop, chat_pair, hf_draft_service):
     """Three generations of one long prompt at once (a request's n choices), on a pooled target:
     the later ones copy the first's cached prompt, and each answer is the target alone's."""

@@ -38,6 +38,28 @@ LLAMA3 = (  # the shape of Llama 3.1-3.3's template: tools in the first user mes
     "\"parameters\": {{ m.tool_calls[0].function.arguments | tojson }}}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_USERS = "{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}"
+MISTRAL = (  # the shape of Mistral 7B v0.3's template: tools before the last user turn, calls after [TOOL_CALLS]
+    _USERS + "{{ bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{% if tools and m == users[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]"
+    "{%- elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}{% set out = c.function | tojson %}"
+    "{{ out[:-1] }}{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings "
+    "with length 9!') }}{% endif %}, \"id\": \"{{ c.id }}\"}}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": "
+    "\"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- else %} {{ m.content }}{{ eos_token }}{% endif %}{%- endfor %}")
+MISTRAL_ARGS = (  # the shape of Mistral Small 3.2's: [TOOL_CALLS]name[ARGS]{...}
+    _USERS + "{{ bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{% if tools and m == users[-1] %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.tool_calls %}{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+    "{{ c.function.arguments | tojson }}{% endfor %}{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{%- else %}{{ m.content }}{{ eos_token }}{% endif %}{%- endfor %}")
+MISTRAL_TOKENS = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                  "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[ARGS]"]
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 6}},
@@ -49,11 +71,13 @@ ASK = [{"role": "user", "content": "Rain in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def urls(serve):
-    """Gateways whose model's template takes tools (Hermes, then Llama 3.x), and one whose
-    template does not (last)."""
+    """Gateways whose model's template takes tools (Hermes, Llama 3.x, Mistral, Mistral's
+    [ARGS]), and one whose template does not (last)."""
     out = []
-    for template in (HERMES, LLAMA3, None):
+    for template in (HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, None):
         tok = char_tokenizer()
+        if template in (MISTRAL, MISTRAL_ARGS):  # control tokens, as Mistral's tokenizers have them
+            tok.add_special_tokens({"additional_special_tokens": MISTRAL_TOKENS[:7 if template == MISTRAL else 8]})
         if template:
             tok.chat_template = template
         target = loaded(tiny_llama(0, layers=4, vocab_size=len(tok)), "tiny-tools", tok)
@@ -159,3 +183,37 @@ def test_llama3_json_calls_are_parsed_and_forced(urls, stream):
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     (call,) = calls[-1]
     assert call["function"]["name"] == "weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("which", [2, 3], ids=["mistral", "mistral_args"])
+def test_mistral_calls_are_parsed_and_forced(urls, which, stream):
+    """Mistral's calls start with a control token, which the text keeps for requests with tools."""
+    body = {"messages": ASK, "max_tokens": 120, "temperature": 0, "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    if not stream:
+        alone = _chat(urls[which], **body, speculative={"enabled": False}).json()["choices"][0]
+        spec = _chat(urls[which], **body, speculative={"policy": "constant"}).json()["choices"][0]
+        assert spec["finish_reason"] == "tool_calls" and spec["message"]["content"] is None, spec
+        calls = [c["message"]["tool_calls"] for c in (alone, spec)]
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls[0]] == \
+            [(t["function"]["name"], t["function"]["arguments"]) for t in calls[1]]
+    else:
+        with httpx.stream("POST", urls[which] + CHAT, json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        calls = [[t for d in deltas for t in d.get("tool_calls", [])]]
+        assert not any(d.get("content") for d in deltas)  # neither the control token nor the call went out as text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = calls[-1]
+    assert call["function"]["name"] == "weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+
+
+def test_mistral_templates_take_the_histories_ids_of_any_shape(urls):
+    """Mistral's templates refuse call ids that are not 9 letters or digits; OpenAI's are longer."""
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_Zx81q", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_Zx81q", "content": "rain"}]
+    r = _chat(urls[2], messages=history, tools=[WEATHER], max_tokens=8)
+    assert r.status_code == 200, r.text
