@@ -63,7 +63,10 @@ def add_command(sub) -> None:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (sampled runs; 1: not sent)")
     b.add_argument("--seed", type=int, default=None, help="per-request seed (sampled runs)")
-    b.add_argument("--modes", default="none,cost-aware", help="comma list: none, policy names, peer")
+    b.add_argument("--modes", default="none,cost-aware",
+                   help="comma list: none, policy names, peer; MODE+logprobs asks for logprobs as well "
+                        "(--top-logprobs alternatives), and is also compared with MODE")
+    b.add_argument("--top-logprobs", type=int, default=5, help="alternatives per token of +logprobs modes")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels ('' for none)")
     b.add_argument("--rates", default="", help="open-loop Poisson arrival rates, requests/s (comma list)")
     b.add_argument("--duration", type=float, default=0.0,
@@ -114,6 +117,15 @@ class Result:
     prompt_tokens: int = 0
 
 
+MODIFIERS = ("logprobs",)  # what MODE+NAME adds to a mode's requests
+
+
+def split_mode(mode: str) -> tuple[str, list[str]]:
+    """A mode's speculation (none, a policy, peer) and its modifiers (MODE+logprobs)."""
+    base, *extras = mode.split("+")
+    return base, extras
+
+
 def request_body(mode: str, messages: list[dict], args) -> dict:
     body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
@@ -121,6 +133,9 @@ def request_body(mode: str, messages: list[dict], args) -> dict:
         body["seed"] = args.seed
     if args.top_p < 1.0:
         body["top_p"] = args.top_p
+    mode, extras = split_mode(mode)
+    if "logprobs" in extras:
+        body["logprobs"], body["top_logprobs"] = True, args.top_logprobs
     if mode == "none":
         body["speculative"] = {"enabled": False}
     elif mode != "peer":
@@ -260,19 +275,34 @@ def summarize(results: list[Result], wall: float, args) -> dict:
 
 
 def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
-    """Per level and mode: median per-request speedup over `none` (e2e of the same prompt) and,
-    greedy, how many answers equal the `none` answer."""
+    """Per level and mode: median per-request speedup over `none` (e2e of the same prompt in the
+    same repeat) and, greedy, how many answers equal the `none` answer; a MODE+modifier mode is
+    also compared with MODE (`speedup_vs_MODE`)."""
+    def by_prompt(results: list[Result]) -> dict:
+        return {(r.prompt, r.repeat): r for r in results if r.status == 200 and not r.error}
+
+    def pairs(base: dict, results: list[Result]) -> list[tuple[Result, Result]]:
+        return [(base[r.prompt, r.repeat], r) for r in results
+                if (r.prompt, r.repeat) in base and r.status == 200 and not r.error]
+
+    def median_speedup(found: list[tuple[Result, Result]]) -> float | None:
+        return round(statistics.median(b.e2e / r.e2e for b, r in found), 3) if found else None
+
     out = {}
     for level, by_mode in cells.items():
-        base = {r.prompt: r for r in by_mode.get("none", []) if r.status == 200 and not r.error}
+        base = by_prompt(by_mode.get("none", []))
         for mode, results in by_mode.items():
-            if mode == "none" or not base:
-                continue
-            pairs = [(base[r.prompt], r) for r in results if r.prompt in base and r.status == 200 and not r.error]
-            entry = {"speedup_median": round(statistics.median(b.e2e / r.e2e for b, r in pairs), 3) if pairs else None}
-            if greedy:
-                entry["identical_to_none"] = f"{sum(b.text == r.text for b, r in pairs)}/{len(pairs)}"
-            out.setdefault(level, {})[mode] = entry
+            entry = {}
+            if mode != "none" and base:
+                found = pairs(base, results)
+                entry["speedup_median"] = median_speedup(found)
+                if greedy:
+                    entry["identical_to_none"] = f"{sum(b.text == r.text for b, r in found)}/{len(found)}"
+            plain, extras = split_mode(mode)
+            if extras and plain in by_mode:
+                entry[f"speedup_vs_{plain}"] = median_speedup(pairs(by_prompt(by_mode[plain]), results))
+            if entry:
+                out.setdefault(level, {})[mode] = entry
     return out
 
 
@@ -388,7 +418,13 @@ def report(doc: dict) -> str:
                          f"{cmp.get('speedup_median', '')} | {cmp.get('identical_to_none', '')} | {s['refused']} | "
                          f"{s['errors']} |")
     lines += ["", "Levels: cN = N clients in a closed loop; rX = Poisson arrivals at X requests/s. "
-              "Several repeats are averaged (throughput) and their percentiles averaged."]
+              "Several repeats are averaged (throughput) and their percentiles averaged; a median request's "
+              "speedup pairs each request with the same prompt's in the same repeat."]
+    against = [(level, mode, key[len("speedup_vs_"):], value) for level, by in doc["compare"].items()
+               for mode, cmp in by.items() for key, value in cmp.items() if key.startswith("speedup_vs_")]
+    if against:
+        lines += ["", "Modifiers against their plain mode (median request, time plain / time modified): " + "; ".join(
+            f"{level} {mode} vs {plain}: {value}x" for level, mode, plain, value in against) + "."]
     runs = [(level, mode, r) for level, by in doc["summary"].items() for mode, rs in by.items() for r in rs]
     if any("long_ttft_ms" in r for _, _, r in runs):
         lines += ["", "One long prompt among the clients (its TTFT apart; the clients' TTFT is in the table above):",
@@ -534,6 +570,10 @@ def cmd_bench_load(args) -> int:
     modes = _csv(args.modes)
     if not modes:
         raise InvalidRequest("modes", "name at least one mode")
+    for mode in modes:
+        unknown = [e for e in split_mode(mode)[1] if e not in MODIFIERS]
+        if unknown:
+            raise InvalidRequest("modes", f"{mode}: unknown modifier {unknown[0]!r} (known: {', '.join(MODIFIERS)})")
     if "peer" in modes and not args.url:
         raise InvalidRequest("modes", "peer needs --url (the peer server to load)")
     if not _csv(args.concurrency) and not _csv(args.rates):

@@ -132,3 +132,24 @@ def test_every_mode_is_warmed_with_its_own_request_before_any_is_measured(monkey
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("warm-up")] == [
         f"warm-up {m}" for m in modes]
+
+
+def test_a_logprobs_mode_asks_for_them_and_is_compared_with_its_plain_mode():
+    args = _args(model="m", max_tokens=8, temperature=0.0, seed=None, top_p=1.0, top_logprobs=5)
+    body = bench_load.request_body("cost-aware+logprobs", [{"role": "user", "content": "Hi"}], args)
+    assert body["speculative"] == {"policy": "cost-aware"} and (body["logprobs"], body["top_logprobs"]) == (True, 5)
+    assert "logprobs" not in bench_load.request_body("cost-aware", [], args)
+
+    def result(prompt, mode, repeat, e2e):
+        return bench_load.Result(prompt, mode, "c1", repeat, 0.0, status=200, e2e=e2e, text=f"t{prompt}")
+
+    cells = {"c1": {  # repeat 1 ran slower for every mode: pairs are made within a repeat
+        "none": [result(0, "none", 0, 2.0), result(0, "none", 1, 4.0)],
+        "cost-aware": [result(0, "cost-aware", 0, 1.0), result(0, "cost-aware", 1, 2.0)],
+        "cost-aware+logprobs": [result(0, "cost-aware+logprobs", 0, 1.25), result(0, "cost-aware+logprobs", 1, 2.5)]}}
+    cmp = bench_load.compare(cells, greedy=True)["c1"]
+    assert cmp["cost-aware"] == {"speedup_median": 2.0, "identical_to_none": "2/2"}
+    assert cmp["cost-aware+logprobs"]["speedup_vs_cost-aware"] == 0.8
+    doc = {"settings": {"limit": 1, "dataset": "x.jsonl", "max_tokens": 8, "temperature": 0.0},
+           "machine": "m", "server": "s", "summary": {}, "compare": {"c1": cmp}, "requests": {}}
+    assert "c1 cost-aware+logprobs vs cost-aware: 0.8x" in bench_load.report(doc)
