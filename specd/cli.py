@@ -499,6 +499,11 @@ def cmd_bench(args) -> int:
         print(f"warning: other processes shared the CPUs during {len(disturbed)} prompt runs "
               f"({', '.join(d['prompt'] for d in disturbed)}); report.md repeats the speedups without them",
               file=sys.stderr)
+    failing = {label: a for label, a in doc["aggregates"].items() if a["failed_runs"]}
+    if failing:
+        print("warning: some configurations failed on some prompts ("
+              + ", ".join(f"{label}: {len(a['failed_prompts'])} of {len(doc['prompts'])}" for label, a in failing.items())
+              + "); report.md says why, and leaves them out of those prompts' speedups", file=sys.stderr)
     return 0
 
 

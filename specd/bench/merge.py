@@ -111,8 +111,13 @@ def _merge_oracle(parts: list[dict]) -> dict:
         return out
     out["drafters"] = {}
     for kind, entry in first["drafters"].items():
-        merged = {k: v for k, v in entry.items() if k not in ("per_prompt", "tokens_per_s", "best_fixed_k")}
+        merged = {k: v for k, v in entry.items()
+                  if k not in ("per_prompt", "tokens_per_s", "best_fixed_k", "failed_prompts")}
         if "per_prompt" in entry:
-            merged["per_prompt"] = [r for part in parts for r in part["oracle"]["drafters"][kind]["per_prompt"]]
+            entries = [part["oracle"].get("drafters", {}).get(kind, {}) for part in parts]
+            merged["per_prompt"] = [r for e in entries for r in e.get("per_prompt", [])]
+            failures = [f for e in entries for f in e.get("failed_prompts", [])]
+            if failures:
+                merged["failed_prompts"] = failures
         out["drafters"][kind] = merged
     return out

@@ -10,10 +10,11 @@ D drafted and A accepted draft tokens:
                         per (prompt, repeat) in the same run; summarised by the median and
                         [min, max] over prompts x repeats, and by the ratio of sums.
 
-A peer that raised on a prompt has a failed record there ({"failed": "ValueError: ..."}, no
-numbers), which keeps its place in the list so that the runs stay paired with the baseline's;
-the aggregate and the speedups are over the runs that completed (against `ar` on the same
-prompts), and count the ones that failed.
+A configuration (a peer, specd's own, or `ar` itself) that raised on a prompt has a failed
+record there ({"failed": "ValueError: ..."}, no numbers), which keeps its place in the list so
+that the runs stay paired with the baseline's; the aggregate is over the runs that completed and
+counts the ones that failed, and the speedups are over the (prompt, repeat)s where both the
+configuration and `ar` completed.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ ERROR_CHARS = 200  # a failed record's reason: the exception's type and message,
 
 
 def failed_record(error: BaseException) -> dict:
-    """A peer run that raised: why, in one short line (the benchmark goes on without it)."""
+    """A run that raised: why, in one short line (the benchmark goes on without it)."""
     message = " ".join(str(error).split())
     reason = f"{type(error).__name__}: {message}" if message else type(error).__name__
     return {"failed": reason if len(reason) <= ERROR_CHARS else reason[:ERROR_CHARS - 1] + "…"}
@@ -92,11 +93,12 @@ def failed(record: dict) -> bool:
 
 
 def _completed(records: Sequence[dict], baseline: Sequence[dict]) -> tuple[list[dict], list[dict]]:
-    """The runs that completed and the baseline's runs of the same (prompt, repeat), paired in
-    order (every list holds the same prompts x repeats in the same order)."""
-    if not any(failed(r) for r in records):
+    """The runs that completed where the baseline's run of the same (prompt, repeat) completed
+    too, and those baseline runs, paired in order (every list holds the same prompts x repeats
+    in the same order)."""
+    if not any(failed(r) for r in records) and not any(failed(b) for b in baseline):
         return list(records), list(baseline)
-    pairs = [(r, b) for r, b in zip(records, baseline) if not failed(r)]
+    pairs = [(r, b) for r, b in zip(records, baseline) if not failed(r) and not failed(b)]
     return [r for r, _ in pairs], [b for _, b in pairs]
 
 
@@ -109,7 +111,7 @@ def spread(values: Sequence[float]) -> dict:
 
 def speedups(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
     """Per-run tokens/s ratios against the baseline run of the same (prompt, repeat), paired in
-    order; failed runs, and the baseline's runs of their prompts, are left out."""
+    order; a (prompt, repeat) where either failed is left out of both sides."""
     records, baseline = _completed(records, baseline)
     ratios = [_ratio(r["tokens_per_s"], b["tokens_per_s"]) for r, b in zip(records, baseline)]
     tps = _ratio(sum(r["new_tokens"] for r in records), sum(r["wall_time_s"] for r in records))

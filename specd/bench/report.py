@@ -45,8 +45,7 @@ def results_doc(run, oracle: dict) -> dict:
         "command": list(sys.argv),
         "settings": settings,
         "target": run.m.target.name,
-        "prompts": [{"key": p.key, "qid": p.qid, "turn": p.turn, "prompt_tokens": len(run.prompt_ids[p.key])}
-                    for p in run.prompts],
+        "prompts": [_prompt_entry(run, p) for p in run.prompts],
         "configs": configs,
         "records": run.records,
         "aggregates": aggregates,
@@ -54,6 +53,14 @@ def results_doc(run, oracle: dict) -> dict:
         "policy_cost_curves": run.policy_curves,
         "contention": contention_summary(run.records, BASELINE),
     }
+
+
+def _prompt_entry(run, p) -> dict:
+    """A prompt's key, question, turn and length; a prompt that could not be built (a second
+    turn whose first answer failed) has no length and says why."""
+    if p.key not in run.prompt_ids:
+        return {"key": p.key, "qid": p.qid, "turn": p.turn, "prompt_tokens": None, "failed": run.prompt_failures[p.key]}
+    return {"key": p.key, "qid": p.qid, "turn": p.turn, "prompt_tokens": len(run.prompt_ids[p.key])}
 
 
 def add_oracle_fractions(aggregates: dict, configs: list[dict], oracle: dict) -> None:
@@ -131,26 +138,31 @@ def report_md(doc: dict) -> str:
 
 
 def _failure_lines(aggregates: dict, prompts: int, repeats: int) -> list[str]:
-    """The peers that could not run some prompts (specd.bench.runner.run_peer): how many, which,
-    and why; their rows above are over the prompts they ran."""
+    """The configurations that could not run some prompts (specd.bench.runner.run_guarded): how
+    many, which, and why; their rows above are over the prompts they ran, their speedups over
+    the prompts where `ar` ran too."""
     failing = {label: a for label, a in aggregates.items() if a.get("failed_runs")}
     if not failing:
         return []
-    out = ["", "**Failed runs**: these peers raised on some prompts; each row above is over the prompts it ran "
-               "(its speedups against `ar` on those same prompts), and results.json keeps every failed record:"]
+    out = ["", "**Failed runs**: these configurations raised on some prompts and the run went on without "
+               "them there; each row above is over the prompts it ran, and its speedups are only over the "
+               "prompts where both it and `ar` ran. results.json keeps every failed record:"]
     for label, a in failing.items():
         runs = f", {a['failed_runs']} of {a['failed_runs'] + a['runs']} runs" if repeats > 1 else ""
         errors = list(a["errors"].items())
         why = "; ".join(reason + (f" ({n} runs)" if n > 1 and len(errors) > 1 else "") for reason, n in errors[:3])
         more = f"; and {len(errors) - 3} other errors" if len(errors) > 3 else ""
+        none = "; no configuration has a speedup there" if label == BASELINE else ""
         out.append(f"- {label}: {len(a['failed_prompts'])} of {prompts} prompts failed "
-                   f"({', '.join(a['failed_prompts'])}{runs}): {why}{more}")
+                   f"({', '.join(a['failed_prompts'])}{runs}): {why}{more}{none}")
     return out
 
 
 def _oracle_lines(oracle: dict, aggregates: dict) -> list[str]:
     if "skipped" in oracle:
         return ["", f"Oracle bound: skipped ({oracle['skipped']})."]
+    if "failed" in oracle:
+        return ["", f"Oracle bound: **failed** ({oracle['failed']}); the runs above are unaffected."]
     out = ["", f"Oracle bound (window {oracle['window']}):"]
     for kind, e in oracle["drafters"].items():
         c = e["cost_curve"]
@@ -165,6 +177,10 @@ def _oracle_lines(oracle: dict, aggregates: dict) -> list[str]:
         if "best_fixed_k" in e:
             line += f"; best fixed K: {e['best_fixed_k']['config']} ({e['best_fixed_k']['tokens_per_s']:.1f} tok/s)"
         out.append(line)
+        if e.get("failed_prompts"):
+            why = "; ".join(dict.fromkeys(f["failed"] for f in e["failed_prompts"]))
+            out.append(f"  - **not bounded on {len(e['failed_prompts'])} prompts** "
+                       f"({', '.join(f['prompt'] for f in e['failed_prompts'])}): {why}")
         if e.get("tokens_per_s_at_ar_step"):
             out.append("  - " + _at_ar_step_line(kind, e, aggregates))
     return out

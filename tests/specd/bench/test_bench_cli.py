@@ -280,14 +280,99 @@ def test_a_peer_that_cannot_run_a_prompt_is_reported_and_the_run_goes_on(tiny_di
     assert "hf-assisted failed on 1#t1: IndexError" in err  # said as it happened, too
 
 
-def test_specd_itself_failing_still_ends_the_run(tiny_dirs, tmp_path, specd_cli):
-    """Only peers are caught: the same short model as specd's own drafter fails the run loudly."""
+def test_specd_itself_failing_a_prompt_is_reported_and_the_run_goes_on(tiny_dirs, tmp_path, specd_cli):
+    """specd's own configuration is caught like a peer: the same short model as specd's drafter
+    fails the second prompt (an IndexError, not a SpecdError: its traceback is written too), and
+    its oracle bound there is listed as not computed; everything else is kept."""
     dataset = tmp_path / "q.jsonl"
     prompts = ["hello there", "summarize this: " + "the cat sat on the mat. " * 3]  # the second in the timed runs
     dataset.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
-    argv = bench_args(tiny_dirs, dataset, tmp_path / "out", "--policies", "constant", "--baselines", "ar,hf-ar")
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, dataset, out, "--policies", "constant", "--baselines", "ar,hf-ar")
     argv[argv.index("--draft-model") + 1] = str(short_assistant(tmp_path))
-    with pytest.raises(IndexError) as raised:
-        specd_cli(argv)
-    assert any(frame.name == "run_all" for frame in raised.traceback)  # timed hf/constant, not caught
-    assert not (tmp_path / "out" / "results.json").exists()
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    records = doc["records"]["hf/constant"]
+    assert not records[0].get("failed") and records[1]["failed"].startswith("IndexError: index out of range")
+    assert "Traceback (most recent call last)" in err and "hf/constant failed on 2#t1: IndexError" in err
+    assert not any(r.get("failed") for label in ("ar", "hf-ar") for r in doc["records"][label])
+    assert doc["aggregates"]["hf/constant"]["speedup"]["per_run"] == pytest.approx(
+        [records[0]["tokens_per_s"] / doc["records"]["ar"][0]["tokens_per_s"]])
+    bound = doc["oracle"]["drafters"]["hf"]
+    assert [r["prompt"] for r in bound["per_prompt"]] == ["1#t1"]
+    assert [f["prompt"] for f in bound["failed_prompts"]] == ["2#t1"]
+    assert bound["failed_prompts"][0]["failed"].startswith("IndexError")
+    report = (out / "report.md").read_text()
+    assert "- hf/constant: 1 of 2 prompts failed (2#t1): IndexError" in report
+    assert "**not bounded on 1 prompts** (2#t1): IndexError" in report
+
+
+def test_a_prompt_past_the_targets_context_fails_alone(tiny_dirs, tmp_path, specd_cli):
+    """A prompt longer than the tiny target's context (512 positions; one character a token):
+    `ar` and specd's configurations raise on it (the engine refuses it), transformers' generate
+    runs it. Each failure is recorded with its error, every ratio is over the prompts both
+    sides ran (none on the long one), the oracle bounds the prompts `ar` ran, and the other
+    prompts' results are all there."""
+    dataset = tmp_path / "q.jsonl"
+    prompts = ["hello there", "summarize this: " + "the cat sat on the mat. " * 25, "count to five"]
+    dataset.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, dataset, out, "--policies", "constant", "--baselines", "ar,hf-ar")
+    argv[argv.index("--drafter") + 1] = "hf,ngram"
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    keys = ["0#t1", "1#t1", "2#t1"]
+    assert doc["prompts"][1]["prompt_tokens"] > 512 > doc["prompts"][2]["prompt_tokens"]
+    labels = ["ar", "hf/constant", "ngram/constant", "ngram/oracle", "hf-ar"]
+    assert list(doc["records"]) == labels
+    for label in labels:
+        assert [r["prompt"] for r in doc["records"][label]] == keys  # failed runs keep their place
+    too_long = doc["records"]["ar"][1]["failed"]
+    assert too_long.startswith("InvalidRequest: prompt: is ") and "the model's context is 512" in too_long
+    for label in ("hf/constant", "ngram/constant"):
+        assert doc["records"][label][1]["failed"] == too_long
+    assert doc["records"]["ngram/oracle"][1]["failed"] == "InvalidRequest: oracle: no `ar` output on this prompt to follow"
+    assert not doc["records"]["hf-ar"][1].get("failed")  # transformers' generate runs past the positions
+    ar = doc["records"]["ar"]
+    for label in labels:
+        recs, agg = doc["records"][label], doc["aggregates"][label]
+        assert not recs[0].get("failed") and not recs[2].get("failed")
+        assert agg["failed_runs"] == (label != "hf-ar") and agg["runs"] == 2 + (label == "hf-ar")
+        # ratios only where both ran: prompts 0 and 2, for hf-ar too
+        assert agg["speedup"]["per_run"] == pytest.approx([recs[i]["tokens_per_s"] / ar[i]["tokens_per_s"]
+                                                           for i in (0, 2)])
+    for label in ("hf/constant", "ngram/constant", "ngram/oracle", "hf-ar"):
+        assert doc["aggregates"][label]["identical"] is True
+    assert doc["aggregates"]["hf-ar"]["new_tokens"] == sum(r["new_tokens"] for r in doc["records"]["hf-ar"])
+    assert [r["prompt"] for r in doc["oracle"]["drafters"]["hf"]["per_prompt"]] == ["0#t1", "2#t1"]
+    assert "failed_prompts" not in doc["oracle"]["drafters"]["hf"]
+    report = (out / "report.md").read_text()
+    assert "**Failed runs**" in report and "only over the prompts where both it and `ar` ran" in report
+    assert f"- ar: 1 of 3 prompts failed (1#t1): {too_long}; no configuration has a speedup there" in report
+    assert f"- ngram/constant: 1 of 3 prompts failed (1#t1): {too_long}" in report
+    assert "- hf-ar:" not in report and "| hf-ar |" in report
+    assert "ar failed on 1#t1: InvalidRequest" in err and "Traceback" not in err  # a SpecdError: one line
+    assert "warning: some configurations failed on some prompts (ar: 1 of 3, " in err
+
+
+def test_a_second_turn_whose_first_answer_cannot_be_generated_fails_alone(tiny_dirs, tmp_path, specd_cli):
+    """--turn 2 needs the target's own first answer; where the first turn is past the target's
+    context there is no second-turn prompt: every configuration's record there says why."""
+    dataset = tmp_path / "q.jsonl"
+    turns = [["hello there", "again"], ["the cat sat on the mat. " * 25, "shorter now"]]
+    dataset.write_text("".join(json.dumps({"question_id": i, "turns": t}) + "\n" for i, t in enumerate(turns)))
+    out = tmp_path / "out"
+    argv = bench_args(tiny_dirs, dataset, out, "--policies", "constant", "--baselines", "ar", "--turn", "2")
+    argv[argv.index("--drafter") + 1] = "ngram"
+    code, _, err = specd_cli(argv)
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["prompts"][1]["prompt_tokens"] is None
+    assert doc["prompts"][1]["failed"].startswith("the first turn's answer: InvalidRequest: prompt: is ")
+    for label in ("ar", "ngram/constant", "ngram/oracle"):
+        records = doc["records"][label]
+        assert [r["prompt"] for r in records] == ["0#t2", "1#t2"]
+        assert not records[0].get("failed") and records[1]["failed"] == doc["prompts"][1]["failed"]
+    assert "- ar: 1 of 2 prompts failed (1#t2): the first turn's answer: InvalidRequest" in (out / "report.md").read_text()

@@ -126,3 +126,22 @@ def test_failed_runs_are_left_out_of_the_figures_and_counted():
     c = summarize({"ar": base, "peer": peer}, "ar")  # prompt 2 disturbed: left out, with the failed one
     assert [d["prompt"] for d in c["disturbed"]] == ["2#t1"]
     assert c["undisturbed"]["peer"]["median"] == 2.0  # prompt 0 alone
+
+
+def test_a_prompt_the_baseline_failed_has_no_ratio_for_anyone():
+    """Where `ar` itself failed a prompt, a configuration that ran it keeps the run in its own
+    totals, but no ratio is taken there: speedups pair only runs where both sides completed."""
+    from specd.bench.metrics import failed_record
+
+    def run(key, n, wall):
+        return {"prompt": key, "repeat": 0, "new_tokens": n, "wall_time_s": wall, "tokens_per_s": n / wall}
+
+    base = [run("0#t1", 10, 1.0), {"prompt": "1#t1", "repeat": 0, **failed_record(ValueError("too long"))},
+            run("2#t1", 10, 2.0)]
+    other = [run("0#t1", 10, 0.5), run("1#t1", 10, 0.1), run("2#t1", 10, 0.5)]
+    agg = aggregate(other, base)
+    assert agg["runs"] == 3 and agg["failed_runs"] == 0 and agg["new_tokens"] == 30
+    assert agg["speedup"]["per_run"] == [2.0, 4.0]
+    assert agg["speedup"]["ratio_of_sums"] == pytest.approx((20 / 1.0) / (20 / 3.0))
+    own = aggregate(base, base)
+    assert (own["runs"], own["failed_prompts"], own["speedup"]["per_run"]) == (2, ["1#t1"], [1.0, 1.0])
