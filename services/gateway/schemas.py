@@ -2,9 +2,9 @@
 the `speculative` request extension and the `spec_stats` response field (docs/services.md, "The protocol").
 
 Unknown request fields are accepted and ignored, as OpenAI clients send many; the ones that
-would change the answer and that this server does not implement (n > 1, logprobs, echo,
-best_of, penalties, tools, ...) are listed explicitly and refused with a 400 naming them when
-set to anything but their default.
+would change the answer and that this server does not implement (echo, best_of, suffix, the
+legacy functions) are listed explicitly and refused with a 400 naming them when set to anything
+but their default (docs/usage.md, "The OpenAI parameters").
 
 Every list and dict has a length cap checked as it is validated (MAX_MESSAGES is the
 coordinator's own cap), so that an oversized request fails at its first item over the cap
