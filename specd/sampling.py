@@ -100,13 +100,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     is never drawn. (torch.multinomial draws an Exp(1) per token instead: measured in
     docs/engine.md, "Verification".)"""
     flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(-1)
+    u = torch.rand((flat.shape[0], 1), generator=generator, dtype=torch.float64, device=flat.device)
+    return draw(flat, u).reshape(probs.shape[:-1])
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample's draw from probs [n, V] with its uniforms u [n, 1] (float64) given: [n]."""
+    cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=flat.device) * total
-    token = torch.searchsorted(cdf, u, right=True)  # the first whose cumulative sum exceeds u
+    token = torch.searchsorted(cdf, u * total, right=True)  # the first whose cumulative sum exceeds u
     # u can round up to the total: then the last token of positive probability
     last = torch.searchsorted(cdf, total)
-    return torch.minimum(token, last).clamp_(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])
+    return torch.minimum(token, last).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

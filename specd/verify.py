@@ -16,15 +16,20 @@ position) and the draft tokens x_1..x_k with their draft distributions q:
   between p_i and q_i is below a threshold.
 
 A drafter without a distribution (n-gram) passes q = None, i.e. a point mass on x.
+
+verify_windows judges every window of a batched forward at once, with the verdicts
+verify_window gives each, read from the device in one copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specd.sampling import argmax_rows, js_distance, logits_to_probs, race_scores, sample
+from specd.sampling import argmax_rows, draw, js_distance, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams
 
 
@@ -87,6 +92,17 @@ def _sample_residual(p: torch.Tensor, q: torch.Tensor | None, x: int,
     return int(sample(residual / total, generator))
 
 
+def _residual(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """_sample_residual's distribution with no read from the device: norm(max(p - q, 0)) (q
+    None: p without x), or p where round-off leaves nothing."""
+    if q is None:
+        residual = p.index_fill(0, x.reshape(1), 0.0)
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    return torch.where(total > 0, residual / total, p / p.sum())
+
+
 def verify_relaxed(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, threshold: float | None,
                    greedy: bool, generator: torch.Generator | None, scores: torch.Tensor | None = None) -> Verdict:
     """AdaSD: lossless rule first; a rejected x_i is still accepted when JS(p_i, q_i) < threshold.
@@ -145,3 +161,90 @@ def verify_window(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None
     if not draft:
         return Verdict(0, int(sample(p[0], generator)), 0)
     return verify_sampling(p, q, x, generator)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One session's window in a batched forward, as verify_windows judges it: its drafts and
+    their distributions (None: point masses, or greedy), its sampling, the sequence position of
+    its first fed token (seeded sampling's draws are keyed by it), its random stream (unseeded)
+    and the ids it emits (the logits' columns past `vocab` are never read; None: all)."""
+
+    drafts: list[int]
+    sampling: SamplingParams
+    q: torch.Tensor | None = None
+    position: int = 0
+    generator: torch.Generator | None = None
+    vocab: int | None = None
+
+
+def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) -> list[Verdict]:
+    """Every window of a forward (logits[i] [k_i + 1, V] after window i's committed tokens and
+    drafts) -> the verdict verify_window gives each (chains, lossless rules: greedy, seeded and
+    unseeded; the same draws from each unseeded window's generator, in the same order), with
+    the accept counts and emitted tokens of all read from the device in one copy.
+
+    Greedy and seeded windows are judged on the argmax of each row (of the logits, or of the
+    race scores): one argmax over the rows of all, then each window's first mismatch. An
+    unseeded window's first rejection and the distribution its token is drawn from (the
+    residual there, or the bonus row) are chosen on the device."""
+    if not windows:
+        return []
+    device = logits[0].device
+    rows, ranked, counts, nexts = [], [], [None] * len(windows), [None] * len(windows)
+    for i, (lg, w) in enumerate(zip(logits, windows)):
+        lg = lg[..., :w.vocab] if w.vocab is not None and lg.shape[-1] > w.vocab else lg
+        k = len(w.drafts)
+        if w.sampling.greedy:
+            ranked.append((i, lg))
+        elif w.sampling.coupled:
+            ranked.append((i, race_scores(logits_to_probs(lg, w.sampling), w.sampling.seed, w.position)))
+        else:
+            counts[i], nexts[i] = _unseeded(logits_to_probs(lg, w.sampling), w, k, device)
+        rows.append(k + 1)
+    if ranked:
+        best = _argmax_all([r for _, r in ranked])  # [rows of the ranked windows]
+        width = max(len(windows[i].drafts) for i, _ in ranked)
+        at, index, drafts = 0, [], []
+        for i, _ in ranked:
+            k = len(windows[i].drafts)
+            index.append([at + min(j, k) for j in range(width + 1)])
+            drafts.append(windows[i].drafts + [-1] * (width - k))  # -1 never matches
+            at += k + 1
+        index_t = torch.tensor(index, device=device)
+        picked = best[index_t]  # [windows, width + 1]: each window's argmax per row, its last repeated
+        match = picked[:, :width] == torch.tensor(drafts, device=device, dtype=picked.dtype)
+        n = match.long().cumprod(-1).sum(-1)
+        nxt = picked.gather(1, n[:, None])[:, 0]
+        for j, (i, _) in enumerate(ranked):
+            counts[i], nexts[i] = n[j], nxt[j]
+    host = torch.stack([torch.stack(counts), torch.stack(nexts).to(torch.long)]).tolist()
+    return [Verdict(n, x, n) for n, x in zip(*host)]
+
+
+def _argmax_all(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The argmax of every row of each tensor, concatenated: on the CPU through numpy (argmax_rows),
+    elsewhere on the device, not read."""
+    if rows[0].device.type == "cpu" and rows[0].dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.concatenate([r.detach().numpy().argmax(-1) for r in rows]))
+    return torch.cat([r.argmax(-1) for r in rows])
+
+
+def _unseeded(p: torch.Tensor, w: Window, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An unseeded window's accept count and token (verify_sampling's rule and draws), as
+    tensors on the device."""
+    if k == 0:
+        u_token = torch.rand((1, 1), generator=w.generator, dtype=torch.float64, device=device)
+        return torch.zeros((), dtype=torch.long, device=device), draw(p[:1], u_token)[0]
+    x = torch.tensor(w.drafts, dtype=torch.long, device=device)
+    idx = torch.arange(k, device=device)
+    p_x = p[idx, x]
+    q_x = w.q[idx, x] if w.q is not None else torch.ones_like(p_x)
+    u = torch.rand(k, generator=w.generator, device=device)
+    n = (u * q_x <= p_x).long().cumprod(-1).sum()
+    u_token = torch.rand((1, 1), generator=w.generator, dtype=torch.float64, device=device)
+    at = n.clamp(max=k - 1)  # the first rejected position (read only when there is one)
+    residual = _residual(p.index_select(0, at.reshape(1))[0], w.q.index_select(0, at.reshape(1))[0]
+                         if w.q is not None else None, x.index_select(0, at.reshape(1)))
+    dist = torch.where(n == k, p[k], residual)
+    return n, draw(dist[None], u_token)[0]

@@ -44,8 +44,8 @@ from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
-from specd.sampling import argmax_rows
 from specd.tree import DraftTree
+from specd.verify import Verdict, Window, verify_windows
 
 
 @dataclass
@@ -59,18 +59,18 @@ class Job:
     queued_at: float = 0.0
     tree: DraftTree | None = None  # ids end with this draft tree's nodes (specd.tree)
     run: PlainRun | None = None  # a plain run's step: its result goes to run.results, not future
-    argmax: bool = False  # then(logits, hidden, best) with each logits row's argmax (read_argmax)
+    window: Window | None = None  # then(logits, hidden, verdict): judged with the forward's others (verify_windows)
 
 
 @dataclass(eq=False)
 class PlainRun:
     """A session's decoding steps that follow each other with no round trip (the target's plain
     runs, and its rounds where it drafts itself). After each step's forward the worker asks
-    `next_step` for the next one ((ids, then, logits rows), or None: the run ends) and queues it
-    at once; each step's (result, BatchInfo), or its error,
-    goes to `results` in order, and None after the last. `stop()` ends it after the steps
+    `next_step` for the next one ((ids, then, logits rows, window or None), or None: the run
+    ends) and queues it at once; each step's (result, BatchInfo), or its error, goes to
+    `results` in order, and None after the last. `stop()` ends it after the steps
     already started (at most one more result, then None)."""
-    next_step: Callable[[], tuple[list[int], Callable[..., object], int] | None]
+    next_step: Callable[[], tuple[list[int], Callable[..., object], int, Window | None] | None]
     results: asyncio.Queue = field(default_factory=asyncio.Queue)
     stopped: bool = False
     error: Exception | None = None  # next_step raised: the run's last result, before None
@@ -121,21 +121,17 @@ def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]]
     return out
 
 
-def read_argmax(logits: list[torch.Tensor]) -> list[list[int]]:
-    """Each tensor's argmax per row, as ints. On a GPU every read waits for the device, and a
-    greedy verdict read on its own took two waits and a handful of small kernels per session:
-    there the rows of every tensor are read together, once; a CPU reads each in place."""
-    if len(logits) <= 1 or logits[0].device.type == "cpu":
-        return [argmax_rows(lg) for lg in logits]
-    return _read_together(logits)
-
-
-def _read_together(logits: list[torch.Tensor]) -> list[list[int]]:
-    flat = torch.cat([lg.argmax(-1) for lg in logits]).tolist()
-    out, at = [], 0
-    for lg in logits:
-        out.append(flat[at:at + lg.shape[0]])
-        at += lg.shape[0]
+def judge_windows(jobs: list[Job], logits: list[torch.Tensor]) -> list[Verdict | None]:
+    """The verdicts of a forward's jobs that bring their windows, judged together (one read from
+    the device for all: specd.verify.verify_windows); None for the others, and for every job
+    where that fails (each then judges its own and meets its own error)."""
+    at = [i for i, j in enumerate(jobs) if j.window is not None]
+    out: list[Verdict | None] = [None] * len(jobs)
+    try:
+        for i, verdict in zip(at, verify_windows([logits[i] for i in at], [jobs[i].window for i in at])):
+            out[i] = verdict
+    except Exception:  # noqa: BLE001 - judged one by one instead
+        return [None] * len(jobs)
     return out
 
 
@@ -198,24 +194,24 @@ class StepBatcher:
 
     async def submit(self, session: KVSession | PoolSession, ids: list[int], num_logits: int,
                      then: Callable[..., object], want_hidden: bool = False, tree: DraftTree | None = None,
-                     argmax: bool = False) -> tuple[object, BatchInfo]:
+                     window: Window | None = None) -> tuple[object, BatchInfo]:
         """Extend session by ids in the next forward; returns then(logits, hidden) and the
         batch's info (hidden: the last hidden states of the same positions, if wanted). With a
-        draft tree, ids end with its nodes and num_logits is len(tree) + 1. argmax: then gets a
-        third argument, the argmax of each logits row as ints, read for every such job of the
-        forward at once."""
+        draft tree, ids end with its nodes and num_logits is len(tree) + 1. window: the window
+        the logits judge, judged with every other of the forward (judge_windows); then gets a
+        third argument, its verdict (None: judge it alone)."""
         job = Job(session, ids, num_logits, then, asyncio.get_running_loop().create_future(), want_hidden,
-                  time.perf_counter(), tree, argmax=argmax)
+                  time.perf_counter(), tree, window=window)
         self._enqueue(job)
         return await job.future
 
     def start_run(self, session: KVSession | PoolSession, ids: list[int], then: Callable[..., object],
-                  run: PlainRun, want_hidden: bool = False, argmax: bool = False, num_logits: int = 1) -> None:
+                  run: PlainRun, want_hidden: bool = False, window: Window | None = None, num_logits: int = 1) -> None:
         """Queue a plain run's first step (ids: the session's uncached tokens, then any drafts;
-        num_logits: the rows its verdict reads); its results, and those of the steps
-        run.next_step gives, arrive in run.results (argmax: as submit's, for every step)."""
+        num_logits: the rows its verdict reads; window: as submit's); its results, and those of
+        the steps run.next_step gives ((ids, then, rows, window)), arrive in run.results."""
         self._enqueue(Job(session, ids, num_logits, then, None, want_hidden, time.perf_counter(), run=run,
-                          argmax=argmax))
+                          window=window))
 
     def _enqueue(self, job: Job) -> None:
         if self._worker is None or self._worker.done():
@@ -346,9 +342,9 @@ class StepBatcher:
             except Exception as e:  # noqa: BLE001 - the run's error, after this step's result
                 j.run.error, step = e, None
             if step is not None:
-                ids, then, num_logits = step
+                ids, then, num_logits, window = step
                 self.queue.append(Job(j.session, ids, num_logits, then, None, j.want_hidden, time.perf_counter(),
-                                      run=j.run, argmax=j.argmax))
+                                      run=j.run, window=window))
                 going.add(id(j.run))
         return going
 
@@ -375,8 +371,8 @@ class StepBatcher:
         out = extend_together(self.model, [j.session for j in jobs], [j.ids for j in jobs],
                               [j.num_logits for j in jobs], [j.want_hidden for j in jobs], [j.tree for j in jobs])
         # Timed to the verdicts: a GPU forward returns before it has run, and they wait for it.
-        best = iter(read_argmax([lg for j, (lg, _) in zip(jobs, out) if j.argmax]))
-        judged = [self._judge(j, lg, h, next(best) if j.argmax else None) for j, (lg, h) in zip(jobs, out)]
+        verdicts = judge_windows(jobs, [lg for lg, _ in out])
+        judged = [self._judge(j, lg, h, v) for j, (lg, h), v in zip(jobs, out, verdicts)]
         emitted = sum(self.emitted_of(r) for r in judged if not isinstance(r, Exception)) if self.emitted_of else 0
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs), emitted)
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
@@ -384,11 +380,11 @@ class StepBatcher:
         return [r if isinstance(r, Exception) else (r, info) for r in judged]
 
     @staticmethod
-    def _judge(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None) -> object:
+    def _judge(job: Job, logits: torch.Tensor, hidden: torch.Tensor | None, verdict: Verdict | None) -> object:
         """One job's result, or the error its own `then` raised: that session fails alone, the
         others in the forward get their answers."""
         try:
-            return job.then(logits, hidden, best) if job.argmax else job.then(logits, hidden)
+            return job.then(logits, hidden, verdict) if job.window is not None else job.then(logits, hidden)
         except Exception as e:  # noqa: BLE001 - handed to that job's waiter
             return e
 

@@ -288,14 +288,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              f"token, over its latency budget of {1e3 * budget:.0f} ms")
 
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
-        ids, rows, judge, tree = self._window(session, msg)
-        result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree,
-                                           argmax=session.reads_argmax(msg.relaxed, tree))
+        ids, rows, judge, tree, window = self._window(session, msg)
+        result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree, window)
         return self._reply(session, msg, *result)
 
     def _window(self, session: TargetSession, msg: target_pb2.Verify):
         """A verification's (ids to feed, logits rows, judge for the compute thread, draft tree
-        or None); InvalidRequest for a window this session cannot verify."""
+        or None, the window as the forward judges it with the others' or None);
+        InvalidRequest for a window this session cannot verify."""
         drafts = list(msg.tokens)
         n = len(drafts) + len(msg.side_tokens)
         if n > self.max_window_tokens:
@@ -307,30 +307,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         threshold = msg.relaxed_threshold if msg.HasField("relaxed_threshold") else None
         ids, start = session.window(drafts, tree), session.kv.length  # start: the position of ids[0]
 
-        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):
+        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, judged: Verdict | None = None):
             # On the compute thread, right after the forward: hidden may be a buffer the next reuses.
             if tree is not None:
                 verdict, accepted = session.judge_tree(logits, tree, q)
                 return verdict, None, None, accepted, 0, []
             verdict, top, feats, emitted = session.judge(logits, hidden, drafts, q, threshold, msg.relaxed,
-                                                         msg.top_logprobs, start, best)
+                                                         msg.top_logprobs, start, judged)
             return verdict, top, features_to_proto(*feats) if feats else None, [], 0, emitted
 
-        return ids, len(tree) + 1 if tree is not None else len(drafts) + 1, judge, tree
+        rows = len(tree) + 1 if tree is not None else len(drafts) + 1
+        return ids, rows, judge, tree, session.batch_window(drafts, q, msg.relaxed, tree)
 
     def _own_window(self, session: TargetSession, local: LocalDrafting):
-        """A round of a session that drafts here: (ids to feed, judge, logits rows), its window
-        drafted now, after the committed sequence."""
+        """A round of a session that drafts here: (ids to feed, judge, logits rows, the window as
+        the forward judges it), its window drafted now, after the committed sequence."""
         drafts = local.draft(session.seq, session.grammar)
         ids, start = session.window(drafts), session.kv.length
 
-        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, best: list[int] | None = None):
+        def judge(logits: torch.Tensor, hidden: torch.Tensor | None, judged: Verdict | None = None):
             committed = len(session.seq)
-            verdict, _, _, emitted = session.judge(logits, hidden, drafts, None, None, False, 0, start, best)
+            verdict, _, _, emitted = session.judge(logits, hidden, drafts, None, None, False, 0, start, judged)
             local.judged(committed, verdict)
             return verdict, None, None, drafts[:verdict.num_accepted], len(drafts), emitted
 
-        return ids, judge, len(drafts) + 1
+        return ids, judge, len(drafts) + 1, session.batch_window(drafts, None, False)
 
     def _local_drafting(self, open_msg: target_pb2.OpenTarget, session: TargetSession) -> LocalDrafting | None:
         """The session's own drafting, where its Open asks for it (OpenTarget.speculate)."""
@@ -364,8 +365,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         def step():
             if local is not None:
                 return self._own_window(session, local)
-            ids, rows, judge, _ = self._window(session, msg)
-            return ids, judge, rows
+            ids, rows, judge, _, window = self._window(session, msg)
+            return ids, judge, rows, window
 
         def next_step():
             nonlocal left
@@ -374,10 +375,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 return None
             return step()
 
-        ids, judge, rows = step()
+        ids, judge, rows, window = step()
         run = PlainRun(next_step)
-        self.batcher.start_run(session.kv, ids, judge, run, session.features, session.reads_argmax(msg.relaxed),
-                               rows)
+        self.batcher.start_run(session.kv, ids, judge, run, session.features, window, rows)
         return run
 
     def _reply(self, session: TargetSession, msg: target_pb2.Verify, judged, batch,

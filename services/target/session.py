@@ -20,7 +20,7 @@ from specd.round import judged_window
 from specd.sampling import request_generator
 from specd.tree import DraftTree, verify_tree
 from specd.types import SamplingParams, SpecParams
-from specd.verify import Verdict, verify_window
+from specd.verify import Verdict, Window, verify_window
 
 MAX_TOP_LOGPROBS = 64
 PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
@@ -142,23 +142,27 @@ class TargetSession:
         if not 0 <= top_k <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}")
 
-    def reads_argmax(self, relaxed: bool, tree: DraftTree | None = None) -> bool:
-        """Whether a window's verdict needs only its logits' argmax per row (greedy, a chain, not
-        relaxed): the batcher then reads it with the other sessions' (StepBatcher.submit)."""
-        return self.sampling.greedy and not relaxed and tree is None and not self.sampling.adjusts_logits
+    def batch_window(self, drafts: list[int], q: torch.Tensor | None, relaxed: bool,
+                     tree: DraftTree | None = None) -> Window | None:
+        """The window as a batched forward judges it with the other sessions' (verify_windows,
+        StepBatcher.submit), or None where this session judges it alone: relaxed, a tree, or logits
+        the request adjusts first (penalties, a bias, a grammar)."""
+        if relaxed or tree is not None or self.sampling.adjusts_logits:
+            return None
+        return Window(drafts, self.sampling, q[..., :self.vocab] if q is not None else None, len(self.seq),
+                      self.generator, self.vocab)
 
     def judge(self, logits: torch.Tensor, hidden: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
               relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int,
-              best: list[int] | None = None):
+              verdict: Verdict | None = None):
         """One window's forward -> (verdict, the top-k log-probabilities of the judged positions
         (up to the first rejection) or None, the committed positions' hidden states from start
         or None, the emitted tokens' log-probabilities where the session returns them, else
-        []); commits the verdict. start: the position of the window's first fed token; best:
-        the logits' argmax per row, where the batcher read it."""
+        []); commits the verdict. start: the position of the window's first fed token; verdict:
+        the batched forward's (verify_windows of its batch_window), else judged here."""
         logits, q = self.within_vocab(logits, q)
-        if best is not None and best and (max(best) >= self.vocab or self.sampling.adjusts_logits):
-            best = None  # read again from the logits within the vocabulary, or penalized
-        verdict = self.verify(logits, drafts, q, relaxed_threshold, relaxed, best)
+        verdict = self.commit(verdict, drafts) if verdict is not None else \
+            self.verify(logits, drafts, q, relaxed_threshold, relaxed)
         top = top_logprobs(logits[:min(verdict.num_strict + 1, len(drafts))], top_k) if top_k and drafts else None
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
         emitted = (emitted_logprobs(logits, drafts[:verdict.num_accepted] + [verdict.next_token], self.logprobs)
@@ -174,15 +178,18 @@ class TargetSession:
         return logits[..., :self.vocab], q[..., :self.vocab] if q is not None else None
 
     def verify(self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-               relaxed_threshold: float | None, relaxed: bool, best: list[int] | None = None) -> Verdict:
+               relaxed_threshold: float | None, relaxed: bool) -> Verdict:
         """logits [k+1, V] of the window's last k+1 positions -> verdict; commits it."""
-        committed = len(self.seq)
         logits, q, drafts = judged_window(logits, q, drafts, self.sampling, self.grammar, self.seq[:self.prompt_len],
                                           self.seq[self.prompt_len:])
         verdict = verify_window(logits, drafts, q, self.sampling, self.generator, relaxed_threshold, relaxed,
-                                committed, best)
+                                len(self.seq))
+        return self.commit(verdict, drafts)
+
+    def commit(self, verdict: Verdict, drafts: list[int]) -> Verdict:
+        """Keep the verdict's accepted drafts and its token."""
         n = verdict.num_accepted
-        self.kv.rollback(committed + n)
+        self.kv.rollback(len(self.seq) + n)
         self.seq += drafts[:n] + [verdict.next_token]
         if self.grammar is not None:
             self.grammar.commit(drafts[:n] + [verdict.next_token])

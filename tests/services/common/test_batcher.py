@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 import torch
 
-from services.common.batcher import PlainRun, StepBatcher, _read_together, read_argmax
+from services.common.batcher import Job, PlainRun, StepBatcher, judge_windows
 from specd.costs import smoothed
+from specd.types import SamplingParams
+from specd.verify import Window, verify_window
 
 
 @pytest.fixture
@@ -144,40 +147,41 @@ def test_a_session_whose_step_fails_fails_alone(pooled):
     assert isinstance(failed, ValueError)
 
 
-def test_jobs_that_ask_for_the_argmax_get_each_logits_rows_read_together(pooled):
-    """A job submitted with argmax=True is also handed the argmax of each of its logits rows,
-    read from the device once for every such job of the forward; a job without gets (logits,
+def test_jobs_that_bring_windows_get_their_verdicts_judged_together(pooled):
+    """Jobs submitted with their windows are handed verdicts, judged for every such job of the
+    forward at once (judge_windows), equal to judging each alone; a job without gets (logits,
     hidden) as before, in the same forward."""
-    def rows(logits, hidden, best):
-        return best, logits.argmax(-1).tolist()
+    greedy, seeded = Window([5, 9], SamplingParams(temperature=0.0)), Window([3], SamplingParams(0.8, seed=4), position=2)
+
+    def rows(logits, hidden, verdict):
+        return verdict, logits.clone()
 
     async def main():
         async with _batcher(pooled) as (batcher, a, b):
-            return await asyncio.gather(batcher.submit(a, [7, 8, 9], 3, rows, argmax=True),
-                                        batcher.submit(b, [7], 1, lambda logits, hidden: logits.argmax(-1).tolist()))
+            c = pooled.session()
+            try:
+                return await asyncio.gather(batcher.submit(a, [7, 5, 9], 3, rows, window=greedy),
+                                            batcher.submit(b, [7, 3], 2, rows, window=seeded),
+                                            batcher.submit(c, [7], 1, lambda logits, hidden: "plain"))
+            finally:
+                c.close()
 
-    (got, info), (plain, _) = asyncio.run(main())
-    best, own = got
-    assert info.batch_size == 2
-    assert best == own and len(best) == 3
-    assert len(plain) == 1
+    (one, info), (two, _), (plain, _) = asyncio.run(main())
+    assert info.batch_size == 3 and plain == "plain"
+    for (verdict, logits), w in ((one, greedy), (two, seeded)):
+        assert verdict == verify_window(logits, w.drafts, None, w.sampling, None, position=w.position)
 
 
-def test_the_argmax_of_several_jobs_is_read_together_on_a_device():
-    """read_argmax: each job's rows' argmax, split back per job. A GPU's are read in one copy to
-    the host (a concatenation of the per-job argmax, then one tolist: the path is run here on
-    CPU tensors); a CPU reads each in place, through numpy, without a torch op."""
-    logits = [torch.randn(3, 50), torch.randn(1, 50), torch.randn(2, 50)]
-    want = [lg.argmax(-1).tolist() for lg in logits]
-    with torch.profiler.profile() as prof:
-        together = _read_together(logits)
-    ops = [e.name for e in prof.events() if e.cpu_parent is None]
-    assert together == want
-    assert ops.count("aten::argmax") == 3 and ops.count("aten::cat") == 1
-    with torch.profiler.profile() as prof:
-        assert read_argmax(logits) == want
-    assert not [e for e in prof.events() if e.name in ("aten::argmax", "aten::cat")]
-    assert read_argmax([]) == [] and read_argmax(logits[:1]) == want[:1]
+def test_windows_that_cannot_be_judged_together_are_each_judged_alone():
+    """judge_windows: None for jobs without windows, and for all where the batch fails (each
+    job's own judgement then meets its own error)."""
+    job = functools.partial(Job, None, [1], 2, None)
+    logits = [torch.randn(2, 16), torch.randn(2, 16)]
+    good = Window([3], SamplingParams(temperature=0.0))
+    assert judge_windows([job(window=good), job()], logits) == [verify_window(logits[0], [3], None, good.sampling,
+                                                                              None), None]
+    broken = Window([3], SamplingParams(temperature=1.0), q=torch.ones(1, 4))  # q narrower than the logits
+    assert judge_windows([job(window=good), job(window=broken)], logits) == [None, None]
 
 
 def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
@@ -278,7 +282,7 @@ def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tupl
                     left -= 1
                     if not left:
                         return None
-                return [7], then, 1
+                return [7], then, 1, None
 
             run = PlainRun(next_step, _Recorded(events))
             batcher.start_run(a, [7], then, run)
@@ -347,7 +351,7 @@ def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: floa
 
     async def main():
         async with _batcher(pooled, gather, seen.append) as (batcher, a, b):
-            run = PlainRun(lambda: ([7], then, 1))
+            run = PlainRun(lambda: ([7], then, 1, None))
             batcher.start_run(a, [7], then, run)
 
             async def drain():
@@ -397,7 +401,7 @@ def test_each_forward_reports_the_time_spent_on_the_plain_runs_next_steps(pooled
 
     def next_step():
         time.sleep(0.03)
-        return [7], then, 1
+        return [7], then, 1, None
 
     async def main():
         async with _batcher(pooled, 0.0, seen.append) as (batcher, a, b):
