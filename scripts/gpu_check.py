@@ -12,7 +12,10 @@ Sections, each timed against the same prompts in the same process:
    sampling is coupled, specd.sampling);
 3. batched throughput: N sessions decoding together in one pooled forward per step, N = 1, 8, 32
    (and the eager pool at the same N), and whether each row's greedy tokens equal that prompt's
-   single-session tokens.
+   single-session tokens;
+4. the services (--services-clients, e.g. 1,8,32): `specd bench-load` over the stack `specd up`
+   starts (drafting on the target), none against cost-aware, in its own processes, with the
+   time left; its results.json and report.md land beside --out.
 
 Device time is scarce: each section checks the remaining budget (--budget-s) and records what
 it skipped rather than running past it. Numbers go to docs/, not here.
@@ -64,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compiled", action="store_true", help="also the graphs of layers compiled by torch.compile "
                                                             "(KVPool.compile_layers); the faster graphs serve the "
                                                             "later sections")
+    p.add_argument("--services-clients", default="", help="closed-loop levels of the services section "
+                                                          "(e.g. 1,8,32; empty: no services section)")
+    p.add_argument("--services-prompts", type=int, default=16)
+    p.add_argument("--services-tokens", type=int, default=128)
+    p.add_argument("--services-only", action="store_true", help="only the services section")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -303,6 +311,37 @@ def batched(args, pools: dict[str, LoadedModel], ids, device, clock, results, re
     results["batched"] = out
 
 
+def services(args, clock: Clock, results: dict) -> None:
+    """bench-load through the services, none against cost-aware, stopped (SIGINT: bench-load
+    stops the services it started) where the budget runs out."""
+    import os
+    import signal
+    import subprocess
+
+    out = Path(args.out).parent / (Path(args.out).stem + "-bench-load")
+    cmd = [sys.executable, "-m", "specd", "bench-load", "--target-model", args.model, "--modes", "none,cost-aware",
+           "--concurrency", args.services_clients, "--limit", str(args.services_prompts),
+           "--max-tokens", str(args.services_tokens), "--repeats", "1", "--out", str(out)]
+    if args.dataset:
+        cmd += ["--dataset", args.dataset]
+    results["services"] = {"command": " ".join(cmd[1:])}
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        proc.wait(timeout=max(clock.left(), 1.0))
+    except subprocess.TimeoutExpired:
+        results["services"]["stopped"] = "the budget ran out"
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    results["services"]["rc"] = proc.returncode
+    found = out / "results.json"
+    if found.exists():
+        doc = json.loads(found.read_text())
+        results["services"].update({k: doc.get(k) for k in ("machine", "server", "summary", "compare")})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     clock = Clock(args.budget_s)
@@ -315,6 +354,12 @@ def main(argv=None) -> int:
                      "gemv_rows": pool_module.GEMV_ROWS,
                      "tf32": torch.backends.cuda.matmul.allow_tf32,
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()}
+    if args.services_only:
+        if args.services_clients:
+            services(args, clock, results)
+        results["wall_s"] = round(time.perf_counter() - clock.t0, 1)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        return 0 if results.get("services", {}).get("rc") == 0 else 1
     try:
         import transformers
 
@@ -329,7 +374,8 @@ def main(argv=None) -> int:
         for name, section in (("speculation", lambda: speculation(args, alone["model"], ids, device, clock, results,
                                                                    alone["runs"], alone["best"])),
                               ("batched", lambda: batched(args, alone["pools"], ids, device, clock, results,
-                                                          best["outputs"]))):
+                                                          best["outputs"])),
+                              ("services", lambda: services(args, clock, results) if args.services_clients else None)):
             Path(args.out).write_text(json.dumps(results, indent=2))  # what is measured so far, in case the run dies
             try:
                 section()
