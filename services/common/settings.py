@@ -204,6 +204,11 @@ class TargetSettings(ModelSettings):
                                      "draft service)")
     datastore: Path | None = Field(None, description="retrieval's datastore (default: the one bundled for the "
                                                      "target)")
+    virtual_device: Path | None = Field(None, description="benchmarks only: every forward of the KV pool takes the "
+                                                          "time this device profile gives for its shape "
+                                                          "(bench-load's results.json, its target_costs), the "
+                                                          "model still computing on this machine "
+                                                          "(specd/models/virtual.py)")
     max_window_tokens: int = Field(64, ge=1, le=4096,
                                    description="draft tokens (chain and draft-tree side nodes) one verification "
                                                "may bring; a larger window is refused (INVALID_ARGUMENT naming "

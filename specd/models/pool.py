@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -180,6 +181,7 @@ class KVPool:
         self.compiled_layer = None  # self.layer through torch.compile (compile_layers)
         self._weights = None  # what the layer reads, per layer (_layer_weights)
         self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
+        self.virtual = None  # a specd.models.virtual.VirtualDevice: each forward takes its profile's time
 
     # slots ---------------------------------------------------------------------------------
 
@@ -258,6 +260,7 @@ class KVPool:
             if r.start + len(r.ids) > self.max_len:
                 raise InvalidRequest("tokens", f"the session would pass the KV slot's {self.max_len} positions")
         assert len({r.slot for r in rows}) == len(rows), "a slot appears twice in one batch"
+        started = time.perf_counter()
         if self.tp is not None:
             self.tp.broadcast(("forward", list(rows)))
         hidden, width = self._hidden_rows(rows)
@@ -276,6 +279,8 @@ class KVPool:
             n = r.num_logits
             out.append((logits[at:at + n], states[at:at + n] if r.want_hidden else None))
             at += n
+        if self.virtual is not None:
+            self.virtual.finish(started, [len(r.ids) for r in rows])
         return out
 
     def _hidden_rows(self, rows: Sequence[PoolRow]) -> tuple[torch.Tensor, int]:
