@@ -197,8 +197,8 @@ def main() -> int:
     for r in records:
         del r["ids"]
     doc = {"question": __doc__.splitlines()[0], "command": " ".join(sys.argv), "provenance": provenance(),
-           "set": args.set, "drafter": drafter_name, "policy": args.policy, "max_tokens": args.max_tokens, "summary": summary,
-           "records": records}
+           "set": args.set, "drafter": drafter_name, "policy": args.policy, "max_tokens": args.max_tokens,
+           "summary": summary, "records": records}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(summary, indent=2))

@@ -67,10 +67,14 @@ def _single_token(tokenizer, text: str) -> bool:
     return token_id(tokenizer, text) is not None
 
 
-def call_tokens(tokenizer, fmt: str | None) -> dict[int, str]:
-    """The control tokens a format writes its calls with, id -> text: an answer's text keeps
-    them (decoding drops control tokens) so that its calls can be found."""
-    if fmt not in (MISTRAL, MISTRAL_ARGS) or tokenizer is None:
+def call_tokens(tokenizer, fmt: str | None = None) -> dict[int, str]:
+    """The control tokens a format (default: the tokenizer's template's) writes its calls with,
+    id -> text: an answer's text keeps them (decoding drops control tokens) so that its calls
+    can be found."""
+    if tokenizer is None:
+        return {}
+    fmt = fmt or template_format(tokenizer)
+    if fmt not in (MISTRAL, MISTRAL_ARGS):
         return {}
     ids = {t: token_id(tokenizer, t) for t in (TOOL_CALLS, ARGS, CALL_ID)}
     return {i: t for t, i in ids.items() if i is not None}

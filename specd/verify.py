@@ -191,7 +191,7 @@ def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) ->
     if not windows:
         return []
     device = logits[0].device
-    rows, ranked, counts, nexts = [], [], [None] * len(windows), [None] * len(windows)
+    ranked, counts, nexts = [], [None] * len(windows), [None] * len(windows)
     for i, (lg, w) in enumerate(zip(logits, windows)):
         lg = lg[..., :w.vocab] if w.vocab is not None and lg.shape[-1] > w.vocab else lg
         k = len(w.drafts)
@@ -201,7 +201,6 @@ def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) ->
             ranked.append((i, race_scores(logits_to_probs(lg, w.sampling), w.sampling.seed, w.position)))
         else:
             counts[i], nexts[i] = _unseeded(logits_to_probs(lg, w.sampling), w, k, device)
-        rows.append(k + 1)
     if ranked:
         best = _argmax_all([r for _, r in ranked])  # [rows of the ranked windows]
         width = max(len(windows[i].drafts) for i, _ in ranked)

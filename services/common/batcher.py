@@ -31,6 +31,7 @@ slots in place; other sessions are copied into a padded batch cache
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -46,6 +47,8 @@ from specd.models.pool import PoolSession, pooled_extend
 from specd.models.session import KVSession
 from specd.tree import DraftTree
 from specd.verify import Verdict, Window, verify_windows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,7 +133,8 @@ def judge_windows(jobs: list[Job], logits: list[torch.Tensor]) -> list[Verdict |
     try:
         for i, verdict in zip(at, verify_windows([logits[i] for i in at], [jobs[i].window for i in at])):
             out[i] = verdict
-    except Exception:  # noqa: BLE001 - judged one by one instead
+    except Exception:  # noqa: BLE001 - judged one by one instead, each meeting its own error
+        log.warning("a forward's windows could not be judged together; judging them one by one", exc_info=True)
         return [None] * len(jobs)
     return out
 

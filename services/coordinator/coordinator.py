@@ -212,7 +212,7 @@ class Coordinator:
             loop.stats.fallback, loop.stats.fallback_reason = True, fallback_reason
             loop.stats.fallback_kind = "unavailable"
         stream = TextStream(self.tokenizer, request.sampling.stop,
-                            call_tokens(self.tokenizer, template_format(self.tokenizer)) if request.tools_json else None)
+                            call_tokens(self.tokenizer) if request.tools_json else None)
         try:
             async for new in loop.run():
                 released = len(stream.ids)  # the index of new[0] among the generated ids

@@ -67,7 +67,7 @@ class LocalBackend:
             # Raises InvalidRequest here, before the first event, for a bad prompt or parameter.
             run = await self._call(self._open, session, request)
             stream = TextStream(self.target.tokenizer, request.sampling.stop,
-                                call_tokens(self.target.tokenizer, template_format(self.target.tokenizer)) if request.tools_json else None)
+                                call_tokens(self.target.tokenizer) if request.tools_json else None)
             rounds = iter(run)
             while not stream.stopped:
                 new = await self._call(next, rounds, None)
