@@ -33,7 +33,6 @@ _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 
 HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS = "hermes", "llama3_json", "mistral", "mistral_args"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS)
 _LLAMA3_SIGN = '"parameters": dictionary of argument name'  # what Llama 3.x templates ask calls to look like
 _MARKER = {HERMES: OPEN, MISTRAL: TOOL_CALLS, MISTRAL_ARGS: TOOL_CALLS}  # where a call starts
 _MISTRAL_ID = 9  # Mistral's templates take call ids of 9 letters or digits, and refuse others
