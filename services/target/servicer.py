@@ -1,12 +1,11 @@
 """The target service's gRPC servicer: Info, GetTokenizer and the per-request verification
-Session stream. It only translates; verification is services.target.session and the
-batching of concurrent sessions is services.common.batcher."""
+Session stream. Verification is services.target.session, admission services.target.admission
+and the batching of concurrent sessions services.common.batcher."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,24 +27,23 @@ from services.common.convert import (
 )
 from services.common.metrics import RpcMetrics, new_registry
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
+from services.target.admission import FAIR_SHARE_RESERVE, TargetAdmission
 from services.target.drafting import LocalDrafting, local_cost_curve
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
-from specd.costs import LoadFit, MovingAverage, measure_t_draft, measure_t_target, synthetic_prefix
+from specd.costs import LoadFit, measure_t_draft, measure_t_target, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest, ModelError, Overloaded
 from specd.grammar import Grammar
 from specd.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
-TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
 MAX_PLAIN_STEPS = 4096  # decoding steps one Verify may ask for (Verify.steps)
 # Draft tokens (chain and tree side nodes) one Verify may bring: each costs a row of logits
 # (32k positions x 152k logits is about 10 GB) and, sampled, a dense q (256 of them pass gRPC's
 # 64 MiB limit). The largest default cap of a policy is svip's 40.
 MAX_WINDOW_TOKENS = 64
 IDLE_TIMEOUT_S = 60.0  # a session that sends nothing this long is ended and its KV slot freed
-FAIR_SHARE_RESERVE = 0.125  # of the KV slots, kept for tenants below their fair share
 MIN_SHARED_PREFIX = 16  # prompt tokens two sessions share before one copies the other's cache
 Q_SUM_SLACK = 1e-3  # a dense q sums to 1 within float32 round-off over a large vocabulary
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -69,7 +67,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         holding less than a fair share of them (TargetSettings.kv_fair_share_reserve)."""
         self.target = target
         self.max_window_tokens, self.idle_timeout_s = max_window_tokens, idle_timeout_s
-        self.fair_share_reserve = fair_share_reserve
         self.drafter = drafter
         # Seconds per drafted token, for cost-aware policies drafting here.
         self.t_draft = measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3) if drafter else 0.0
@@ -81,7 +78,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
                                      lambda: self.batcher.decode_cost.value, self._kv_slots,
-                                     lambda: len(self.batcher.queue), lambda: self.token_time.value)
+                                     lambda: len(self.batcher.queue), lambda: self.admission.token_time.value)
         self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
@@ -94,15 +91,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.load_fit = LoadFit(self.batch_seconds, self.batch_token_seconds)
         self.batcher.on_forward = self._on_forward
         self.batcher.emitted_of = lambda judged: judged[0].num_accepted + 1
-        # Admission by latency: at most the sessions the surface allows, and none while the time
-        # per token the open sessions see is over budget (both against a one-token forward alone).
-        self.latency_budget = latency_budget
-        self.max_sessions = sessions_within_budget(self.batch_seconds, latency_budget) if latency_budget else None
-        self.token_time = MovingAverage()  # seconds between a session's verifications, per token emitted
-        self.token_time_at = 0.0  # when it was last observed
-        if self.max_sessions is not None:
+        self.admission = TargetAdmission(lambda: target.pool, self.batch_seconds, self.verify_seconds[0],
+                                         latency_budget, fair_share_reserve)
+        if self.admission.max_sessions is not None:
             log.info("latency budget %.2fx (%.1f ms a token): at most %d sessions at once", latency_budget,
-                     1e3 * latency_budget * self.verify_seconds[0], self.max_sessions)
+                     1e3 * latency_budget * self.verify_seconds[0], self.admission.max_sessions)
 
     @property
     def active_sessions(self) -> int:
@@ -144,7 +137,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidRequest("open", "a target session starts with an Open message")
         try:
-            self._admit(first.open.tenant)
+            self.admission.admit(first.open.tenant, [s.tenant for s in self.sessions])
             session = await self._new_session(first.open)
         except Overloaded:
             self.metrics.observe_refused()
@@ -264,29 +257,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         await asyncio.wait(pending)
         return new()
 
-    def _admit(self, tenant: str) -> None:
-        """Refuse a new session (Overloaded: the gateway's 503 with Retry-After) of a tenant
-        holding its fair share of the KV pool's slots once only the reserve is free (fair_share),
-        or where the latency budget says so: at the surface's cap, or while the open sessions'
-        time per token is over budget times a one-token forward alone (a reading older than
-        TOKEN_TIME_FRESH_S is not used: sessions that stopped asking, such as streams to slow
-        readers, must not lock the service)."""
-        pool = self.target.pool
-        if pool is not None:
-            refusal = fair_share(tenant, [s.tenant for s in self.sessions], pool.num_slots - pool.in_use(),
-                                 pool.num_slots, self.fair_share_reserve)
-            if refusal:
-                raise Overloaded(refusal)
-        if not self.latency_budget or not self.sessions:
-            return
-        if len(self.sessions) >= self.max_sessions:
-            raise Overloaded(f"serving {len(self.sessions)} sessions, the most within its latency budget")
-        budget = self.latency_budget * self.verify_seconds[0]
-        fresh = time.perf_counter() - self.token_time_at < TOKEN_TIME_FRESH_S  # idle sessions report nothing
-        if fresh and self.token_time.value > budget:
-            raise Overloaded(f"serving {len(self.sessions)} sessions at {1e3 * self.token_time.value:.0f} ms a "
-                             f"token, over its latency budget of {1e3 * budget:.0f} ms")
-
     async def _verify(self, session: TargetSession, msg: target_pb2.Verify) -> target_pb2.TargetResponse:
         ids, rows, judge, tree, window = self._window(session, msg)
         result = await self.batcher.submit(session.kv, ids, rows, judge, session.features, tree, window)
@@ -390,8 +360,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                           max(batch.emitted - verdict.num_accepted - 1, 0))
         now = time.perf_counter()
         if session.last_reply_at is not None:  # the time per token this session sees
-            self.token_time.observe((now - session.last_reply_at) / (verdict.num_accepted + 1))
-            self.token_time_at = now
+            self.admission.observe_reply((now - session.last_reply_at) / (verdict.num_accepted + 1))
         session.last_reply_at = now
         return target_pb2.TargetResponse(verified=target_pb2.Verified(
             top_logprobs=top_logprobs_to_proto(top), features=feats, accepted_tokens=accepted,
@@ -445,24 +414,6 @@ def check_distributions(q: torch.Tensor, drafts: list[int]) -> None:
                                                   f"be > 0 (it was drafted from q)")
 
 
-def fair_share(tenant: str, held_by: list[str], free: int, slots: int, reserve: float) -> str:
-    """Why a new session of `tenant` is refused ("": it is not) where the open sessions belong
-    to held_by and `free` of `slots` are free: the last ceil(reserve * slots) free slots go
-    only to a tenant holding less than a fair share, the slots over the tenants open plus one.
-    So one tenant that fills the pool (streams whose clients stopped reading, say) leaves room
-    for another. The empty tenant ("": no tenant named, an open gateway's requests) is never
-    refused here, and its sessions count as one tenant's."""
-    kept = math.ceil(reserve * slots)
-    if not tenant or not kept or free > kept or free <= 0:
-        return ""
-    held = held_by.count(tenant)
-    fair = math.ceil(slots / (len(set(held_by)) + 1))  # a share kept for one more tenant
-    if held < fair:
-        return ""
-    return (f"{free} of {slots} KV slots are free, kept for other tenants: this one holds {held}, "
-            f"its fair share")
-
-
 def plain_steps(msg: target_pb2.Verify, drafts_here: bool = False) -> int:
     """The decoding steps a Verify asks for: a plain run's length (Verify.steps) or one
     (drafts_here: rounds of a session that drafts on the target, which brings no drafts)."""
@@ -473,14 +424,6 @@ def plain_steps(msg: target_pb2.Verify, drafts_here: bool = False) -> int:
     if msg.steps > MAX_PLAIN_STEPS:
         raise InvalidRequest("steps", f"at most {MAX_PLAIN_STEPS}, got {msg.steps}")
     return max(msg.steps, 1)
-
-
-def sessions_within_budget(batch_seconds: list[float], budget: float) -> int:
-    """The most sessions whose shared forward costs at most `budget` times a one-session forward
-    (batch_seconds[B - 1]: B sessions x 1 token, measured at start-up); at least 1."""
-    if not batch_seconds or batch_seconds[0] <= 0:
-        return 1
-    return max([b for b, t in enumerate(batch_seconds, 1) if t <= budget * batch_seconds[0]], default=1)
 
 
 def measure_verify_seconds(target: LoadedModel, max_tokens: int = 17) -> list[float]:

@@ -18,7 +18,8 @@ from services.common.settings import TargetSettings
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
-from services.target.servicer import TargetServicer, fair_share
+from services.target.admission import fair_share
+from services.target.servicer import TargetServicer
 
 from tests.services.conftest import Service, eventually
 
@@ -244,7 +245,7 @@ def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled
 
 
 def test_sessions_within_a_latency_budget_follow_the_cost_surface():
-    from services.target.servicer import sessions_within_budget
+    from services.target.admission import sessions_within_budget
 
     surface = [0.030, 0.032, 0.036, 0.042, 0.050, 0.061, 0.075, 0.092]  # B = 1..8 sessions x 1 token
     assert sessions_within_budget(surface, 2.0) == 5  # 0.050 <= 0.060 < 0.061
@@ -260,7 +261,7 @@ def test_a_session_beyond_the_latency_budget_is_refused_and_the_others_go_on(ser
     target = replace(chat_pair[0])
     target.use_pool(4, 128)
     servicer = TargetServicer(target, max_batch_size=2, latency_budget=1000.0)
-    assert servicer.max_sessions == 2
+    assert servicer.admission.max_sessions == 2
     server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
     svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
 
@@ -306,14 +307,14 @@ def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(
             await _verify(first, [])
             await asyncio.sleep(0.05)
             await _verify(first, [], 2)  # timed: a real time per token, under any budget here
-            assert 0 < servicer.token_time.value < 1000.0 * servicer.verify_seconds[0]
-            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded ...
-            servicer.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
+            assert 0 < servicer.admission.token_time.value < 1000.0 * servicer.verify_seconds[0]
+            servicer.admission.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded ...
+            servicer.admission.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
             stale = await _open(stub)
             assert (await _verify(stale, [])).num_accepted == 0  # admitted
             await _close(stale)
-            servicer.token_time.value = 2000.0 * servicer.verify_seconds[0]  # overloaded now
-            servicer.token_time_at = time.perf_counter()
+            servicer.admission.token_time.value = 2000.0 * servicer.verify_seconds[0]  # overloaded now
+            servicer.admission.token_time_at = time.perf_counter()
             extra = await _open(stub)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await extra.read()
