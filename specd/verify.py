@@ -18,7 +18,7 @@ position) and the draft tokens x_1..x_k with their draft distributions q:
 A drafter without a distribution (n-gram) passes q = None, i.e. a point mass on x.
 
 verify_windows judges every window of a batched forward at once, with the verdicts
-verify_window gives each, read from the device in one copy.
+verify_window gives each, read from a GPU in one copy.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specd.sampling import argmax_rows, draw, js_distance, logits_to_probs, race_scores, sample
@@ -178,31 +177,38 @@ class Window:
     vocab: int | None = None
 
 
-def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) -> list[Verdict]:
+def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window],
+                   on_device: bool | None = None) -> list[Verdict]:
     """Every window of a forward (logits[i] [k_i + 1, V] after window i's committed tokens and
     drafts) -> the verdict verify_window gives each (chains, lossless rules: greedy, seeded and
-    unseeded; the same draws from each unseeded window's generator, in the same order), with
-    the accept counts and emitted tokens of all read from the device in one copy.
+    unseeded; the same draws from each unseeded window's generator, in the same order).
 
-    Greedy and seeded windows are judged on the argmax of each row (of the logits, or of the
-    race scores): one argmax over the rows of all, then each window's first mismatch. An
-    unseeded window's first rejection and the distribution its token is drawn from (the
-    residual there, or the bonus row) are chosen on the device."""
+    on_device (default: where the logits are not on the CPU) judges them all on the device and
+    reads the accept counts and emitted tokens of all in one copy: greedy and seeded windows on
+    one argmax over the rows of all (of the logits, or of the race scores), then each window's
+    first mismatch; an unseeded window's first rejection and the distribution its token is drawn
+    from (the residual there, or the bonus row) chosen by tensor operations. A CPU has no device
+    to wait for, and there each window is judged as verify_window judges it, which costs less."""
+    if on_device is None:
+        on_device = bool(logits) and logits[0].device.type != "cpu"
+    logits = [lg[..., :w.vocab] if w.vocab is not None and lg.shape[-1] > w.vocab else lg
+              for lg, w in zip(logits, windows)]
+    if not on_device:
+        return [verify_window(lg, list(w.drafts), w.q, w.sampling, w.generator, position=w.position)
+                for lg, w in zip(logits, windows)]
     if not windows:
         return []
     device = logits[0].device
     ranked, counts, nexts = [], [None] * len(windows), [None] * len(windows)
     for i, (lg, w) in enumerate(zip(logits, windows)):
-        lg = lg[..., :w.vocab] if w.vocab is not None and lg.shape[-1] > w.vocab else lg
-        k = len(w.drafts)
         if w.sampling.greedy:
             ranked.append((i, lg))
         elif w.sampling.coupled:
             ranked.append((i, race_scores(logits_to_probs(lg, w.sampling), w.sampling.seed, w.position)))
         else:
-            counts[i], nexts[i] = _unseeded(logits_to_probs(lg, w.sampling), w, k, device)
+            counts[i], nexts[i] = _unseeded(logits_to_probs(lg, w.sampling), w, len(w.drafts), device)
     if ranked:
-        best = _argmax_all([r for _, r in ranked])  # [rows of the ranked windows]
+        best = torch.cat([r.argmax(-1) for _, r in ranked])  # [rows of the ranked windows]
         width = max(len(windows[i].drafts) for i, _ in ranked)
         at, index, drafts = 0, [], []
         for i, _ in ranked:
@@ -210,8 +216,7 @@ def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) ->
             index.append([at + min(j, k) for j in range(width + 1)])
             drafts.append(windows[i].drafts + [-1] * (width - k))  # -1 never matches
             at += k + 1
-        index_t = torch.tensor(index, device=device)
-        picked = best[index_t]  # [windows, width + 1]: each window's argmax per row, its last repeated
+        picked = best[torch.tensor(index, device=device)]  # [windows, width + 1], the last row repeated
         match = picked[:, :width] == torch.tensor(drafts, device=device, dtype=picked.dtype)
         n = match.long().cumprod(-1).sum(-1)
         nxt = picked.gather(1, n[:, None])[:, 0]
@@ -219,14 +224,6 @@ def verify_windows(logits: Sequence[torch.Tensor], windows: Sequence[Window]) ->
             counts[i], nexts[i] = n[j], nxt[j]
     host = torch.stack([torch.stack(counts), torch.stack(nexts).to(torch.long)]).tolist()
     return [Verdict(n, x, n) for n, x in zip(*host)]
-
-
-def _argmax_all(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The argmax of every row of each tensor, concatenated: on the CPU through numpy (argmax_rows),
-    elsewhere on the device, not read."""
-    if rows[0].device.type == "cpu" and rows[0].dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(np.concatenate([r.detach().numpy().argmax(-1) for r in rows]))
-    return torch.cat([r.argmax(-1) for r in rows])
 
 
 def _unseeded(p: torch.Tensor, w: Window, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,9 +125,9 @@ def extend_together(model: torch.nn.Module, sessions: list, ids: list[list[int]]
 
 
 def judge_windows(jobs: list[Job], logits: list[torch.Tensor]) -> list[Verdict | None]:
-    """The verdicts of a forward's jobs that bring their windows, judged together (one read from
-    the device for all: specd.verify.verify_windows); None for the others, and for every job
-    where that fails (each then judges its own and meets its own error)."""
+    """The verdicts of a forward's jobs that bring their windows, judged together (on a GPU one
+    read from the device for all: specd.verify.verify_windows); None for the others, and for
+    every job where that fails (each then judges its own and meets its own error)."""
     at = [i for i, j in enumerate(jobs) if j.window is not None]
     out: list[Verdict | None] = [None] * len(jobs)
     try:

@@ -1,5 +1,5 @@
-"""A batched forward's windows judged at once (specd.verify.verify_windows) give the verdicts
-verify_window gives each, window by window: greedy, seeded and unseeded (with and without draft
+"""A batched forward's windows judged at once on the device (specd.verify.verify_windows, run here
+on CPU tensors) give the verdicts verify_window gives each, window by window: greedy, seeded and unseeded (with and without draft
 distributions), mixed window lengths (none included) and logits wider than the vocabulary, with
 the same draws from each unseeded window's generator. Unseeded output follows the target (a
 chi-square test), and a batch that pairs drafts with another's distributions is caught (the
@@ -46,13 +46,14 @@ def _case(rng: random.Random, kind: str, gen_seed: int):
     return logits, Window(drafts, sampling, q, position, gen, vocab)
 
 
+@pytest.mark.parametrize("on_device", [True, None])  # None: the CPU's default, window by window
 @pytest.mark.parametrize("seed", range(6))
-def test_the_batched_verdicts_are_each_windows_own(seed):
+def test_the_batched_verdicts_are_each_windows_own(seed, on_device):
     rng = random.Random(seed)
     kinds = ["greedy", "seeded", "unseeded", "unseeded-q"]
     cases = [_case(rng, rng.choice(kinds), 100 * seed + i) for i in range(12)]
     cases += [_case(rng, kind, 7000 + i) for i, kind in enumerate(kinds)]  # every kind at least once
-    batched = verify_windows([lg for lg, _ in cases], [w for _, w in cases])
+    batched = verify_windows([lg for lg, _ in cases], [w for _, w in cases], on_device)
     for (logits, w), got in zip(cases, batched):
         lg = logits[:, :w.vocab] if w.vocab else logits
         gen = torch.Generator().manual_seed(w.generator.initial_seed()) if w.generator is not None else None
@@ -63,7 +64,7 @@ def test_the_batched_verdicts_are_each_windows_own(seed):
             assert torch.equal(gen.get_state(), w.generator.get_state())
     assert any(v.num_accepted for v in batched) and any(v.num_accepted < len(w.drafts)
                                                         for v, (_, w) in zip(batched, cases))
-    assert verify_windows([], []) == []
+    assert verify_windows([], [], on_device) == []
 
 
 P = torch.tensor([[0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
@@ -82,7 +83,7 @@ def _emitted(q: torch.Tensor, rounds: int = 4000, batch: int = 40) -> np.ndarray
     for start in range(0, rounds, batch):
         drafts = torch.multinomial(Q, batch, replacement=True, generator=g).T.tolist()
         windows = [Window(d, SamplingParams(temperature=1.0), q, 0, g) for d in drafts]
-        verdicts = verify_windows([P.log()] * batch + [greedy[0]], windows + [greedy[1]])[:batch]
+        verdicts = verify_windows([P.log()] * batch + [greedy[0]], windows + [greedy[1]], on_device=True)[:batch]
         for t, (d, v) in enumerate(zip(drafts, verdicts)):
             out[start + t, :v.num_accepted] = d[:v.num_accepted]
             out[start + t, v.num_accepted] = v.next_token

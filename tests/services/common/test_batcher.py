@@ -176,11 +176,11 @@ def test_windows_that_cannot_be_judged_together_are_each_judged_alone():
     """judge_windows: None for jobs without windows, and for all where the batch fails (each
     job's own judgement then meets its own error)."""
     job = functools.partial(Job, None, [1], 2, None)
-    logits = [torch.randn(2, 16), torch.randn(2, 16)]
+    logits = [torch.randn(2, 16), torch.randn(3, 16)]
     good = Window([3], SamplingParams(temperature=0.0))
     assert judge_windows([job(window=good), job()], logits) == [verify_window(logits[0], [3], None, good.sampling,
                                                                               None), None]
-    broken = Window([3], SamplingParams(temperature=1.0), q=torch.ones(1, 4))  # q narrower than the logits
+    broken = Window([3, 4], SamplingParams(temperature=1.0), q=torch.ones(1, 16) / 16)  # one q for two drafts
     assert judge_windows([job(window=good), job(window=broken)], logits) == [None, None]
 
 
