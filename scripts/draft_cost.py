@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specd.bench.datasets import load_questions
-from specd.costs import CostCurve, cpu_model, measure_cost_curve
+from specd.costs import CostCurve, cpu_model, measure_cost_curve, measure_t_draft, synthetic_prefix
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.models import load_model
@@ -49,8 +49,11 @@ def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None
     if path is None:
         curve = measure_cost_curve(target, drafter)
         measured, ks, ts = curve.t_draft, curve.ks, [curve.scale * t for t in curve.t_target_k]
+    elif "target_costs" in (doc := json.loads(Path(path).read_text())):  # bench-load's (a virtual device's profile)
+        ts = doc["target_costs"]["verify_s"]
+        measured, ks = measure_t_draft(drafter, synthetic_prefix(target.vocab_size)), list(range(1, len(ts) + 1))
     else:
-        c = next(iter(json.loads(Path(path).read_text())["speculation"]["cost_curve_ms"].values()))
+        c = next(iter(doc["speculation"]["cost_curve_ms"].values()))
         measured, ts = c["t_draft"] * 1e-3, [t * 1e-3 for t in c["t_target_k"]]
         ks = list(range(1, len(ts) + 1))
     return CostCurve(measured if t_draft is None else t_draft, ks, ts, smoothing=0.0)
@@ -63,6 +66,8 @@ def host_times(path: str | None, curve: CostCurve) -> dict[str, float]:
     if path is None:
         return {"greedy": 0.0, "t1-seeded": 0.0}
     doc = json.loads(Path(path).read_text())
+    if "speculation" not in doc:  # a bench-load profile: the forwards alone
+        return {"greedy": 0.0, "t1-seeded": 0.0}
     spec = doc["speculation"]
     runs = {"greedy": doc.get("target_alone", {}).get(spec.get("baseline")), "t1-seeded": spec.get("t1_baseline")}
     return {label: max(run["seconds"] / run["tokens"] - curve.t_target(1), 0.0) if run else 0.0
@@ -129,13 +134,16 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default="retrieval,ngram")
     p.add_argument("--policies", default="cost-aware", help="comma-separated; 'oracle' drafts exactly "
                    "what the target keeps: on --curve, the bound of any stopping policy for the drafter")
-    p.add_argument("--curve", help="a gpu_check.json whose cost curve prices the windows (default: measured here)")
+    p.add_argument("--curve", help="a gpu_check.json whose cost curve prices the windows, or a bench-load "
+                                   "results.json (its target_costs' one-session forwards; a virtual device's "
+                                   "profile); default: measured here")
     p.add_argument("--t-draft-ms", type=float, help="the price of a drafted token (default: the curve's); "
                    "a serving engine prices drafting at the time it measures it taking")
     p.add_argument("--samplings", default="greedy,t1-seeded")
     p.add_argument("--repeats", type=int, default=3, help="replays of each cell; the fastest is kept")
     p.add_argument("--answers", type=Path, help="the target's answers: read from this file if it exists, else "
-                                                "written there (two runs replay the same answers)")
+                                                "written there with the prompts (two runs replay the same "
+                                                "answers; a virtual device can replay them: --virtual-replay)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     target = load_model(args.target_model, "cpu", "float32")
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
                 out["cells"][f"{label} {kind}/{policy}"] = best
                 print(f"{label} {kind}/{policy}: {best}", flush=True)
     if args.answers is not None and kept is None and set(written) == set(samplings):
-        args.answers.write_text(json.dumps(written))
+        # with the prompts, the file is also a virtual device's replay (specd/models/virtual.py)
+        args.answers.write_text(json.dumps({**written, "prompts": prompts, "target": target.name}))
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

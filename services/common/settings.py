@@ -209,6 +209,10 @@ class TargetSettings(ModelSettings):
                                                           "(bench-load's results.json, its target_costs), the "
                                                           "model still computing on this machine "
                                                           "(specd/models/virtual.py)")
+    virtual_replay: Path | None = Field(None, description="benchmarks only, with virtual_device: each forward's "
+                                                          "logits follow these recorded answers where its context "
+                                                          "is one of theirs (scripts/draft_cost.py --answers; "
+                                                          "specd/models/virtual.py)")
     max_window_tokens: int = Field(64, ge=1, le=4096,
                                    description="draft tokens (chain and draft-tree side nodes) one verification "
                                                "may bring; a larger window is refused (INVALID_ARGUMENT naming "

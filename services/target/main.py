@@ -55,13 +55,17 @@ def load_target(s: TargetSettings):
     target = load_model(s.model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, cuda_graphs="off",
                         tensor_parallel=tp)
     use_pool(target, s, graphs_allowed=tp is None, tp=tp)
+    if s.virtual_replay is not None and s.virtual_device is None:
+        raise InvalidRequest("virtual_replay", "a replay is a virtual device's; set virtual_device too")
     if s.virtual_device is not None:
-        from specd.models.virtual import DeviceProfile, VirtualDevice
+        from specd.models.virtual import DeviceProfile, Replay, VirtualDevice
 
         if target.pool is None:
             raise InvalidRequest("virtual_device", "a virtual device times the KV pool's forwards; set kv_slots > 0")
-        target.pool.virtual = VirtualDevice(DeviceProfile.load(s.virtual_device))
-        log.info("target %s: every forward takes the time of the device profile %s", target.name, s.virtual_device)
+        replay = Replay.load(s.virtual_replay) if s.virtual_replay is not None else None
+        target.pool.virtual = VirtualDevice(DeviceProfile.load(s.virtual_device), replay)
+        log.info("target %s: every forward takes the time of the device profile %s%s", target.name, s.virtual_device,
+                 f", its logits replaying {len(replay.next)} recorded tokens" if replay else "")
     if tp is not None and target.pool is None:
         raise InvalidRequest("tensor_parallel", "the model has no KV pool (the lean forward does not support it)")
     if tp is not None and tp.leader:

@@ -236,6 +236,8 @@ class KVPool:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
         self.written[dst] = max(self.written[dst], n)
+        if self.virtual is not None:
+            self.virtual.copied(src, dst, n)
 
     def bytes_per_token(self) -> int:
         layers, _, heads, _, dim = self.k.shape
@@ -280,7 +282,7 @@ class KVPool:
             out.append((logits[at:at + n], states[at:at + n] if r.want_hidden else None))
             at += n
         if self.virtual is not None:
-            self.virtual.finish(started, [len(r.ids) for r in rows])
+            self.virtual.finish(started, rows, out)
         return out
 
     def _hidden_rows(self, rows: Sequence[PoolRow]) -> tuple[torch.Tensor, int]:

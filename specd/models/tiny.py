@@ -76,12 +76,16 @@ def char_tokenizer():
     return fast
 
 
-def save_tiny(path: str | Path, seed: int = 0, model: torch.nn.Module | None = None, **config) -> Path:
-    """Write a tiny model + tokenizer directory loadable by specd.models.load_model."""
+def save_tiny(path: str | Path, seed: int = 0, model: torch.nn.Module | None = None, tokenizer=None,
+              **config) -> Path:
+    """Write a tiny model + tokenizer directory loadable by specd.models.load_model (tokenizer:
+    the character-level one unless given; a given one sets the vocabulary's size)."""
     path = Path(path)
+    if tokenizer is not None and model is None:
+        config.setdefault("vocab_size", len(tokenizer))
     model = model if model is not None else tiny_llama(seed, **config)
     model.save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
+    (tokenizer if tokenizer is not None else char_tokenizer()).save_pretrained(path)
     return path
 
 
