@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specd.bench.datasets import load_questions
-from specd.costs import CostCurve, cpu_model, measure_cost_curve, measure_t_draft, synthetic_prefix
+from specd.costs import (CostCurve, cpu_model, measure_cost_curve, measure_t_draft, provenance,
+                         synthetic_prefix)
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.models import load_model
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     alone = SpeculativeEngine(target)
     kept = json.loads(args.answers.read_text()) if args.answers is not None and args.answers.is_file() else None
     written: dict[str, list[list[int]]] = {}
-    out = {"machine": cpu_model(), "target": target.name, "prompts": len(prompts),
+    out = {"machine": cpu_model(), "provenance": provenance(), "target": target.name, "prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
     samplings = {"greedy": SamplingParams(max_new_tokens=args.max_new_tokens),
                  "t1-seeded": SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens)}
