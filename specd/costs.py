@@ -11,10 +11,9 @@ The curve is measured once (`measure_cost_curve`: a few seconds on a CPU, well u
 GPU) and kept current while serving (`observe_*`): t_draft is a moving average of observed
 draft steps, and the target's measured *shape* t_target(n) is kept while one scale factor
 follows the observed forwards (a longer context or a busy machine makes every window slower,
-not one window size). Both follow `smoothed`, the one smoothing rule of every cost estimate in
-specd and the services (`MovingAverage` holds one such estimate). So a policy that reads the
-curve adapts by itself to the hardware it runs on: on a CPU t_target(n) grows steeply with n,
-on a GPU it is nearly flat.
+not one window size). Both are moving averages, and every timing estimate specd keeps, with its
+rule, is a row of specd.cost_model.TABLE. So a policy that reads the curve adapts by itself to
+the hardware it runs on: on a CPU t_target(n) grows steeply with n, on a GPU it is nearly flat.
 
 Under load (the target service verifying many sessions in one forward) a window does not pay
 for a forward of its own: it joins one that the other sessions' steps pay for. The target
@@ -51,38 +50,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specd.cost_model import ESTIMATES, LOAD_FIT_FORGET, LOAD_FIT_PRIOR, LOAD_SMOOTHING, SMOOTHING, decayed
 from specd.models.kernels import kernels_of
 from specd.types import SamplingParams
-
-SMOOTHING = 0.05  # weight of one new observation in every moving average of a cost
-
-
-def smoothed(value: float | None, x: float, count: int = 1, smoothing: float = SMOOTHING) -> float | None:
-    """The moving average `value` after `count` observations of x: an unset value (None or <= 0)
-    becomes x, else it moves towards x by 1 - (1 - smoothing) ** count, so count observations
-    at once weigh like count single ones. A smoothing of 0 freezes the value."""
-    if count <= 0 or smoothing <= 0:
-        return value
-    if value is None or value <= 0:
-        return x
-    return value + (1.0 - (1.0 - smoothing) ** count) * (x - value)
-
-
-class MovingAverage:
-    """One cost followed while serving (seconds of a step, of a round trip): `smoothed` over the
-    observations, seeded by `value` (unset, 0: the first observation sets it)."""
-
-    __slots__ = ("smoothing", "value")
-
-    def __init__(self, value: float = 0.0, smoothing: float = SMOOTHING):
-        self.value, self.smoothing = value, smoothing
-
-    def observe(self, x: float, count: int = 1) -> None:
-        self.value = smoothed(self.value, x, count, self.smoothing)
-
-    def __repr__(self) -> str:
-        return f"MovingAverage({self.value!r}, smoothing={self.smoothing!r})"
-
 
 @dataclass
 class CostCurve:
@@ -92,13 +62,13 @@ class CostCurve:
     ks: list[int]
     t_target_k: list[float]
     overhead: float = 0.0
-    smoothing: float = SMOOTHING  # of t_draft and scale (`smoothed`); 0 freezes the curve
+    smoothing: float = SMOOTHING  # of t_draft and scale (specd.cost_model: curve.*); 0 freezes the curve
     scale: float = 1.0  # observed / measured target cost, followed while serving
     batch_seconds: list[float] = field(default_factory=list)  # [B-1]: a forward of B sessions x 1 token
     batch_token_seconds: list[float] = field(default_factory=list)  # [B-1]: each further token in it
     others: tuple[float, float] = (0.0, 0.0)  # other sessions and their tokens in the target's forwards
     others_yield: float | None = None  # the tokens those sessions emit per forward (None: one each)
-    load_smoothing: float = 0.5  # weight of one verification's load in `others`
+    load_smoothing: float = LOAD_SMOOTHING  # weight of one verification's load in `others`
     fit: LoadFit | None = None  # what the target's forwards really cost against the surface, where known
     _fit: tuple[float, float] | None = field(default=None, init=False, repr=False)
     _monotone: list[float] | None = field(default=None, init=False, repr=False)
@@ -179,22 +149,22 @@ class CostCurve:
     def observe_load(self, other_sessions: int, other_tokens: int, other_yield: int | None = None) -> None:
         """The forward that verified the last window carried this many other sessions and tokens
         (and they emitted other_yield tokens, where known)."""
-        a = self.load_smoothing
+        a, rule = self.load_smoothing, ESTIMATES["curve.others"]
         s, t = self.others
-        self.others = (s + a * (other_sessions - s), t + a * (other_tokens - t))
+        self.others = (rule.moved(s, other_sessions, weight=a), rule.moved(t, other_tokens, weight=a))
         if other_yield is not None:
             y = other_sessions if self.others_yield is None else self.others_yield
-            self.others_yield = y + a * (other_yield - y)
+            self.others_yield = ESTIMATES["curve.others_yield"].moved(y, other_yield, weight=a)
 
     # -- refreshed while serving ------------------------------------------------------------
     def observe_target(self, n_tokens: int, seconds: float) -> None:
         """One target forward over n_tokens took `seconds`: follow the scale of the curve."""
         base = self.t_target(n_tokens) / self.scale
         if base > 0 and seconds > 0:
-            self.scale = smoothed(self.scale, seconds / base, smoothing=self.smoothing)
+            self.scale = ESTIMATES["curve.scale"].moved(self.scale, seconds / base, weight=self.smoothing)
 
     def observe_draft(self, seconds_per_token: float) -> None:
-        self.t_draft = smoothed(self.t_draft, seconds_per_token, smoothing=self.smoothing)
+        self.t_draft = ESTIMATES["curve.t_draft"].moved(self.t_draft, seconds_per_token, weight=self.smoothing)
 
     def to_dict(self) -> dict:
         out = {"t_draft_s": self.t_draft, "k": list(self.ks),
@@ -235,8 +205,8 @@ class LoadFit:
 
     batch_seconds: list[float]
     batch_token_seconds: list[float]
-    forget: float = 0.98
-    prior: float = 0.1
+    forget: float = LOAD_FIT_FORGET
+    prior: float = LOAD_FIT_PRIOR
     a: float = 1.0
     b: float = 1.0
     forwards: int = 0
@@ -252,7 +222,7 @@ class LoadFit:
         if p <= 0:
             return
         u, v, z = x1 / p, x2 / p, seconds / p
-        self._sums = self.forget * self._sums + np.array([u * u, u * v, v * v, u * z, v * z])
+        self._sums = decayed(self._sums, np.array([u * u, u * v, v * v, u * z, v * z]), self.forget)
         uu, uv, vv, uz, vz = self._sums
         lam = self.prior
         det = (uu + lam) * (vv + lam) - uv * uv

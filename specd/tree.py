@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specd.cost_model import ESTIMATES
 from specd.errors import InvalidRequest
 from specd.sampling import argmax_rows, logits_to_probs, race_scores, sample
 from specd.types import SamplingParams, check_branch_count
@@ -41,11 +42,6 @@ from specd.types import SamplingParams, check_branch_count
 TREE_BRANCHES = 3  # what `specd bench --trees` runs
 TREE_MAX_FED = 64  # committed tokens fed with a tree (a longer prefill verifies a chain)
 MAX_TREE_NODES = 32  # chain and side branches together
-# Tokens one side node of a draft tree adds to a round, before a run has measured its own (a
-# teacher-forced replay on MT-bench greedy answers, docs/engine.md), and the weight of each tree
-# round in the run's moving average.
-TREE_GAIN_PRIOR = 0.05
-TREE_GAIN_SMOOTHING = 0.1
 
 
 @dataclass
@@ -279,7 +275,9 @@ class TreePlanner:
 
     def __init__(self, branches: int, length: int):
         self.branches, self.length = branches, length
-        self.gain = TREE_GAIN_PRIOR  # tokens one side node has added per round so far
+        # Tokens one side node has added per round so far (specd.cost_model: tree.gain), from a
+        # prior measured by a teacher-forced replay on MT-bench greedy answers (docs/engine.md).
+        self.gain = ESTIMATES["tree.gain"].seed
 
     def grow(self, session, seq: list[int], chain: list[int], room: int, sampling: SamplingParams,
              mean_tokens: float, t_target) -> DraftTree:
@@ -315,4 +313,4 @@ class TreePlanner:
     def observe(self, side: int, accepted: int, on_chain: int) -> None:
         """A tree round with `side` side nodes kept `accepted` drafts, `on_chain` of them the chain's."""
         if side:
-            self.gain += TREE_GAIN_SMOOTHING * ((accepted - on_chain) / side - self.gain)
+            self.gain = ESTIMATES["tree.gain"].moved(self.gain, (accepted - on_chain) / side)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.costs import MovingAverage, median_time, settle, synthetic_prefix
+from specd.cost_model import TARGET, CostModel
+from specd.costs import median_time, settle, synthetic_prefix
 from specd.errors import Overloaded
 from specd.models.batch import batched_extend_hidden
 from specd.models.pool import PoolSession, pooled_extend
@@ -179,16 +180,18 @@ def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[lis
 
 class StepBatcher:
     def __init__(self, model: torch.nn.Module, executor: Executor, max_batch_size: int = 8,
-                 on_batch: Callable[[Gathered], None] | None = None, gather: float = 0.5):
+                 on_batch: Callable[[Gathered], None] | None = None, gather: float = 0.5,
+                 costs: CostModel | None = None):
+        """costs: the process's cost model, where it follows decode_cost and round_trip (None: a
+        target's of its own)."""
         self.model, self.executor, self.max_batch_size = model, executor, max_batch_size
+        self.costs = costs or CostModel(TARGET)
         self.on_batch = on_batch  # called with how each forward was gathered, before it runs
         self.gather = gather  # wait for returning sessions up to this fraction of the last forward
         self.queue: list[Job] = []
         self.arrived = asyncio.Event()
         self.last_batch_size = 0
         self.last_forward_s = 0.0
-        self.decode_cost = MovingAverage()  # seconds of one plain decoding step (one session, one token)
-        self.round_trip = MovingAverage()  # seconds from a hand-over until its last traveller was back
         self.away: dict = {}  # travelling session -> when its result was handed over
         self.handed_at = 0.0  # the last hand-over's
         self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
@@ -222,7 +225,7 @@ class StepBatcher:
             self._worker = asyncio.create_task(self._run())
         handed = self.away.pop(job.session, None)
         if handed is not None and handed not in self.away.values():  # the last of its hand-over back
-            self.round_trip.observe(time.perf_counter() - handed)
+            self.costs.observe("round_trip", time.perf_counter() - handed)
         self.queue.append(job)
         self.arrived.set()
 
@@ -325,7 +328,7 @@ class StepBatcher:
         has been measured, they are waited for (the wait is bounded by `gather`)."""
         if not runs:
             return False
-        return not travelling or self.round_trip.value * runs > self.last_forward_s * travelling
+        return not travelling or self.costs.value("round_trip") * runs > self.last_forward_s * travelling
 
     @staticmethod
     def _travellers(jobs: list[Job], going: set[int]) -> list:
@@ -380,7 +383,7 @@ class StepBatcher:
         emitted = sum(self.emitted_of(r) for r in judged if not isinstance(r, Exception)) if self.emitted_of else 0
         info = BatchInfo(time.perf_counter() - t0, len(jobs), sum(len(j.ids) for j in jobs), emitted)
         if len(jobs) == 1 and len(jobs[0].ids) == 1:
-            self.decode_cost.observe(info.forward_seconds)
+            self.costs.observe("decode_cost", info.forward_seconds)  # one plain decoding step
         return [r if isinstance(r, Exception) else (r, info) for r in judged]
 
     @staticmethod

@@ -46,7 +46,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
 from services.proto.specd.target.v1 import target_pb2_grpc
-from specd.costs import MovingAverage
+from specd.cost_model import COORDINATOR, CostModel
 from specd.detok import TextStream
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
@@ -87,14 +87,11 @@ class Coordinator:
         self.target_info: common_pb2.ModelInfo | None = None
         self.tokenizer = None
         self.drafter_name: str | None = None
-        # What cost-aware drafting weighs, kept current from every request's verifications.
-        self.verify_seconds: list[float] = []  # the target's start-up cost curve
-        self.batch_seconds: list[float] = []  # and its batched cost surface (TargetInfo)
-        self.batch_token_seconds: list[float] = []
+        # What cost-aware drafting weighs (specd.cost_model.TABLE): the target's start-up cost
+        # curve and batched surface (TargetInfo), kept current from every request's verifications.
+        self.costs = CostModel(COORDINATOR)
         self.plain_runs = False  # the target answers a plain run step by step (Verify.steps)
         self.target_drafter: str | None = None  # the lookup drafter the target drafts with itself
-        self.decode_s: float | None = None  # its current decode cost (Verified)
-        self.round_overhead = MovingAverage()  # seconds of round trip beyond the forward
         self.draft_breaker = Breaker(cfg.draft_cooldown_s)
         self._saves: set[asyncio.Task] = set()  # policy-state saves under way (kept from the GC)
         self._on_close: list = []
@@ -119,8 +116,9 @@ class Coordinator:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "target") from None
         self.tokenizer = _load_tokenizer(dict(files.files))
-        self.verify_seconds = list(info.verify_seconds)
-        self.batch_seconds, self.batch_token_seconds = list(info.batch_seconds), list(info.batch_token_seconds)
+        self.costs.seed("verify_seconds", list(info.verify_seconds))
+        self.costs.seed("batch_seconds", list(info.batch_seconds))
+        self.costs.seed("batch_token_seconds", list(info.batch_token_seconds))
         self.plain_runs = info.plain_runs
         self.target_drafter = info.drafter if info.drafter and info.plain_runs else None
         self.drafter_name = self.drafter_name or self.target_drafter
@@ -270,10 +268,10 @@ class Coordinator:
         overlap = cfg.overlap and (asked is not None or (draft.kind not in MODEL_FREE_KINDS and not trees))
         return dataclasses.replace(cfg, overlap=overlap, send_distributions=send_q, policy_state=state,
                                    drafter=draft.name,
-                                   verify_seconds=self._scaled(self.verify_seconds),
-                                   batch_seconds=self._scaled(self.batch_seconds),
-                                   batch_token_seconds=self._scaled(self.batch_token_seconds),
-                                   round_overhead_s=self.round_overhead.value,
+                                   verify_seconds=self._scaled("verify_seconds"),
+                                   batch_seconds=self._scaled("batch_seconds"),
+                                   batch_token_seconds=self._scaled("batch_token_seconds"),
+                                   round_overhead_s=self.costs.value("round_overhead"),
                                    top_logprobs=draft.top_logprobs, features=draft.needs_features)
 
     def _drafts_on_target(self, request: GenerateRequest) -> bool:
@@ -290,17 +288,18 @@ class Coordinator:
         return dataclasses.replace(cfg, overlap=False, policy_state=state, drafter=self.target_drafter,
                                    drafts_on_target=True)
 
-    def _scaled(self, seconds: list[float]) -> tuple[float, ...]:
-        """Start-up costs of the target, scaled by how its decode cost has drifted since."""
-        curve = self.verify_seconds
-        scale = self.decode_s / curve[0] if curve and self.decode_s and curve[0] > 0 else 1.0
-        return tuple(t * scale for t in seconds)
+    def _scaled(self, name: str) -> tuple[float, ...]:
+        """Start-up costs of the target (a cost model's name), scaled by how its decode cost has
+        drifted since."""
+        curve, decode_s = self.costs.value("verify_seconds"), self.costs.value("target_decode_cost")
+        scale = decode_s / curve[0] if curve and decode_s and curve[0] > 0 else 1.0
+        return tuple(t * scale for t in self.costs.value(name))
 
     def _follow_costs(self, loop: RequestLoop) -> None:
         if loop.stats.target_decode_s_per_token > 0:
-            self.decode_s = loop.stats.target_decode_s_per_token
+            self.costs.observe("target_decode_cost", loop.stats.target_decode_s_per_token)
         if loop.overhead_n:  # each measured round counts once: a long request counts more
-            self.round_overhead.observe(loop.overhead_s / loop.overhead_n, count=loop.overhead_n)
+            self.costs.observe("round_overhead", loop.overhead_s / loop.overhead_n, count=loop.overhead_n)
 
     def _state_key(self, cfg: LoopConfig, drafter: str) -> StateKey:
         return StateKey(drafter, self.target_info.name, cfg.spec.policy, cfg.spec.task_tag)

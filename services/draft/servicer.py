@@ -22,7 +22,8 @@ from services.draft.metrics import DraftMetrics
 from services.draft.runner import DraftRunner, Token, WindowEnd
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2, draft_pb2_grpc
-from specd.costs import MovingAverage, measure_t_draft, synthetic_prefix
+from specd.cost_model import DRAFT, CostModel
+from specd.costs import measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
@@ -48,9 +49,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.branches = tree_shape(branches, drafter, "", False)[0]  # names the setting a drafter cannot take
         self.drafter, self.model, self.specdecpp_head = drafter, model, specdecpp_head
         self.executor = executor or compute_thread("draft")
+        self.costs = CostModel(DRAFT)  # every timing this process keeps (specd.cost_model.TABLE)
         # Draft steps of concurrent sessions share forwards; a session comes back at once when its
         # window goes on, so the batcher never waits for one (gather 0).
-        self.batcher = StepBatcher(None, self.executor, max_batch_size, self._on_batch, gather=0.0)
+        self.batcher = StepBatcher(None, self.executor, max_batch_size, self._on_batch, gather=0.0, costs=self.costs)
         self.runners: set[DraftRunner] = set()
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "draft")
@@ -58,7 +60,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     lambda: sum(r.session.nbytes() for r in list(self.runners)))
         # Seconds per draft step: measured at start-up, then a moving average of served steps.
         prefix = synthetic_prefix(model.vocab_size if model is not None else 1000)
-        self.t_draft = MovingAverage(measure_t_draft(drafter, prefix, repeats=3))
+        self.costs.seed("t_draft", measure_t_draft(drafter, prefix, repeats=3))
         self.learning: OnlineLearning | None = None  # DVI: started by start_learning()
         if dvi is not None:
             if not drafter.learns_online:
@@ -139,7 +141,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidRequest("prompt", f"token ids must be in [0, {vocab or '2**31'}), got {bad}")
 
         def costs():  # asked by cost-aware and draft trees only
-            return costs_from_proto(msg, self.t_draft.value)
+            return costs_from_proto(msg, self.costs.value("t_draft"))
 
         policy = request_policy(o.spec, o.state, PolicyResources(None, self.specdecpp_head), costs)
         learning = self.learning
@@ -162,7 +164,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _on_step(self, seconds: float) -> None:
         self.metrics.step_s.observe(seconds)
-        self.t_draft.observe(seconds)
+        self.costs.observe("t_draft", seconds)
 
 
 async def _read(requests, runner: DraftRunner, out: asyncio.Queue) -> None:

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable
 
-from specd.costs import MovingAverage
+from specd.cost_model import TARGET, CostModel
 from specd.errors import Overloaded
 
 TOKEN_TIME_FRESH_S = 1.0  # the latency budget reads the time per token only this recent
@@ -26,15 +26,17 @@ FAIR_SHARE_RESERVE = 0.125  # of the KV slots, kept for tenants below their fair
 
 class TargetAdmission:
     def __init__(self, pool: Callable[[], object], batch_seconds: list[float], one_token_s: float,
-                 latency_budget: float = 0.0, fair_share_reserve: float = FAIR_SHARE_RESERVE):
+                 latency_budget: float = 0.0, fair_share_reserve: float = FAIR_SHARE_RESERVE,
+                 costs: CostModel | None = None):
         """pool: the target's KV pool now (None: no slots to share); batch_seconds: the start-up
         surface (B sessions x 1 token); one_token_s: a one-session, one-token forward's seconds;
-        latency_budget: 0 for none."""
+        latency_budget: 0 for none; costs: the target's cost model, where it follows token_time
+        (None: one of its own)."""
+        self.costs = costs or CostModel(TARGET)
         self.pool, self.reserve = pool, fair_share_reserve
         self.latency_budget, self.one_token_s = latency_budget, one_token_s
         self.max_sessions = sessions_within_budget(batch_seconds, latency_budget) if latency_budget else None
-        self.token_time = MovingAverage()  # seconds between a session's verifications, per token emitted
-        self.token_time_at = 0.0  # when it was last observed
+        self.token_time_at = 0.0  # when token_time was last observed
 
     def admit(self, tenant: str, open_tenants: list[str]) -> None:
         """Overloaded where a new session of `tenant` is refused; open_tenants: the tenant of
@@ -50,13 +52,14 @@ class TargetAdmission:
             raise Overloaded(f"serving {len(open_tenants)} sessions, the most within its latency budget")
         budget = self.latency_budget * self.one_token_s
         fresh = time.perf_counter() - self.token_time_at < TOKEN_TIME_FRESH_S  # idle sessions report nothing
-        if fresh and self.token_time.value > budget:
-            raise Overloaded(f"serving {len(open_tenants)} sessions at {1e3 * self.token_time.value:.0f} ms a "
+        token_time = self.costs.value("token_time")
+        if fresh and token_time > budget:
+            raise Overloaded(f"serving {len(open_tenants)} sessions at {1e3 * token_time:.0f} ms a "
                              f"token, over its latency budget of {1e3 * budget:.0f} ms")
 
     def observe_reply(self, seconds_per_token: float) -> None:
         """A session's time since its last reply, per token this one emitted."""
-        self.token_time.observe(seconds_per_token)
+        self.costs.observe("token_time", seconds_per_token)
         self.token_time_at = time.perf_counter()
 
 

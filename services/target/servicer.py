@@ -31,6 +31,7 @@ from services.target.admission import FAIR_SHARE_RESERVE, TargetAdmission
 from services.target.drafting import LocalDrafting, local_cost_curve
 from services.target.metrics import TargetMetrics
 from services.target.session import TargetSession
+from specd.cost_model import TARGET, CostModel
 from specd.costs import LoadFit, measure_t_draft, measure_t_target, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest, ModelError, Overloaded
@@ -68,8 +69,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.target = target
         self.max_window_tokens, self.idle_timeout_s = max_window_tokens, idle_timeout_s
         self.drafter = drafter
-        # Seconds per drafted token, for cost-aware policies drafting here.
-        self.t_draft = measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3) if drafter else 0.0
+        self.costs = CostModel(TARGET)  # every timing this process keeps (specd.cost_model.TABLE)
+        if drafter:  # seconds per drafted token, for cost-aware policies drafting here
+            self.costs.seed("local_t_draft", measure_t_draft(drafter, synthetic_prefix(target.vocab_size), repeats=3))
         self.prefill_chunk = prefill_chunk
         self.executor = executor or compute_thread("target")
         self.sessions: set[TargetSession] = set()
@@ -77,32 +79,36 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.registry = registry or new_registry()
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
-                                     lambda: self.batcher.decode_cost.value, self._kv_slots,
-                                     lambda: len(self.batcher.queue), lambda: self.admission.token_time.value)
-        self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather)
+                                     lambda: self.costs.value("decode_cost"), self._kv_slots,
+                                     lambda: len(self.batcher.queue), lambda: self.costs.value("token_time"))
+        self.batcher = StepBatcher(target.model, self.executor, max_batch_size, self.metrics.observe_batch, gather,
+                                   self.costs)
         self.max_batch_size = max_batch_size
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
         # value of the decode cost, which serving then keeps current.
-        self.verify_seconds = measure_verify_seconds(target)
-        self.batcher.decode_cost.observe(self.verify_seconds[0])
+        verify_seconds = measure_verify_seconds(target)
+        self.costs.seed("verify_seconds", verify_seconds)
+        self.costs.observe("decode_cost", verify_seconds[0])
         # What a forward of B sessions costs, for policies that price a window in the batch it joins.
-        self.batch_seconds, self.batch_token_seconds = measure_batch_surface(target, max_batch_size)
+        batch_seconds, batch_token_seconds = measure_batch_surface(target, max_batch_size)
+        self.costs.seed("batch_seconds", batch_seconds)
+        self.costs.seed("batch_token_seconds", batch_token_seconds)
         # What its forwards really cost against that surface, for the sessions that draft here.
-        self.load_fit = LoadFit(self.batch_seconds, self.batch_token_seconds)
+        self.costs.seed("load_fit", LoadFit(batch_seconds, batch_token_seconds))
         self.batcher.on_forward = self._on_forward
         self.batcher.emitted_of = lambda judged: judged[0].num_accepted + 1
-        self.admission = TargetAdmission(lambda: target.pool, self.batch_seconds, self.verify_seconds[0],
-                                         latency_budget, fair_share_reserve)
+        self.admission = TargetAdmission(lambda: target.pool, batch_seconds, verify_seconds[0],
+                                         latency_budget, fair_share_reserve, self.costs)
         if self.admission.max_sessions is not None:
             log.info("latency budget %.2fx (%.1f ms a token): at most %d sessions at once", latency_budget,
-                     1e3 * latency_budget * self.verify_seconds[0], self.admission.max_sessions)
+                     1e3 * latency_budget * verify_seconds[0], self.admission.max_sessions)
 
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
 
     def _on_forward(self, info: BatchInfo) -> None:
-        self.load_fit.observe(info.batch_size, info.batch_tokens, info.forward_seconds)
+        self.costs.observe("load_fit", (info.batch_size, info.batch_tokens, info.forward_seconds))
 
     def _kv_slots(self) -> tuple[int, int]:
         pool = self.target.pool
@@ -117,8 +123,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.max_batch_size,
-                                     verify_seconds=self.verify_seconds, batch_seconds=self.batch_seconds,
-                                     batch_token_seconds=self.batch_token_seconds, plain_runs=True,
+                                     verify_seconds=self.costs.value("verify_seconds"),
+                                     batch_seconds=self.costs.value("batch_seconds"),
+                                     batch_token_seconds=self.costs.value("batch_token_seconds"), plain_runs=True,
                                      drafter=self.drafter.name if self.drafter else "",
                                      drafter_kind=self.drafter.kind if self.drafter else "")
 
@@ -313,7 +320,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest("speculate", "a session that returns features drafts with a draft service")
 
         def costs():
-            return local_cost_curve(self.t_draft, self.verify_seconds, self.batcher.decode_cost.value, self.load_fit)
+            c = self.costs
+            return local_cost_curve(c.value("local_t_draft"), c.value("verify_seconds"), c.value("decode_cost"),
+                                    c.value("load_fit"))
 
         local = LocalDrafting(self.drafter, open_msg.speculate, session.sampling, len(session.seq),
                               self.target.vocab_size, costs)
@@ -367,7 +376,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verify_id=msg.verify_id, num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             num_strict=verdict.num_strict, js_distances=verdict.js_distances,
             forward_seconds=batch.forward_seconds, batch_size=batch.batch_size, batch_tokens=batch.batch_tokens,
-            decode_seconds_per_token=self.batcher.decode_cost.value, drafted=drafted,
+            decode_seconds_per_token=self.costs.value("decode_cost"), drafted=drafted,
             emitted_logprobs=[target_pb2.EmittedLogprob(logprob=e.logprob, top_ids=e.top_ids,
                                                         top_logprobs=e.top_logprobs) for e in emitted]))
 

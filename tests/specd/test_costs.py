@@ -1,5 +1,5 @@
-"""The cost curve: interpolation, the on-disk cache of the start-up measurement, and the one
-smoothing rule every cost estimate follows."""
+"""The cost curve: interpolation, the on-disk cache of the start-up measurement, and how it
+follows what serving observes (the rules themselves: test_cost_model.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,8 @@ import numpy as np
 import pytest
 
 from specd import costs
-from specd.costs import (
-    SMOOTHING,
-    CostCurve,
-    LoadFit,
-    MovingAverage,
-    cached_cost_curve,
-    curve_key,
-    interp,
-    smoothed,
-)
+from specd.cost_model import smoothed
+from specd.costs import CostCurve, LoadFit, cached_cost_curve, curve_key, interp
 from specd.drafters import NgramDrafter
 
 
@@ -57,34 +49,6 @@ def test_the_monotone_curve_irons_out_noisy_medians():
     assert curve.t_monotone(6) > curve.t_monotone(4)  # extrapolated with the fitted slope
     curve.scale = 2.0
     assert curve.t_monotone(1) == pytest.approx(0.100)
-
-
-@pytest.mark.parametrize("unset", [None, 0.0, -1.0])
-def test_the_first_observation_replaces_an_unset_value(unset):
-    average = MovingAverage(unset)
-    average.observe(0.030)
-    assert average.value == 0.030
-    average.observe(0.040)  # then it moves by the smoothing weight only
-    assert average.value == pytest.approx(0.030 + SMOOTHING * 0.010)
-    assert MovingAverage().value == 0.0  # unset by default
-
-
-def test_count_observations_at_once_weigh_like_as_many_single_ones():
-    singles, batch = MovingAverage(0.010), MovingAverage(0.010)
-    for _ in range(7):
-        singles.observe(0.020)
-    batch.observe(0.020, count=7)
-    assert batch.value == pytest.approx(singles.value)
-    assert batch.value == pytest.approx(0.020 - 0.010 * (1 - SMOOTHING) ** 7)
-    batch.observe(1.0, count=0)  # nothing observed: nothing moves
-    assert batch.value == pytest.approx(singles.value)
-
-
-def test_a_smoothing_of_zero_freezes_the_value_even_unset():
-    frozen = MovingAverage(0.0, smoothing=0.0)
-    frozen.observe(0.5, count=3)
-    assert frozen.value == 0.0
-    assert smoothed(0.2, 0.5, 10, smoothing=0.0) == 0.2
 
 
 def test_a_frozen_curve_does_not_move():

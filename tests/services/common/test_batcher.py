@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.batcher import Job, PlainRun, StepBatcher, judge_windows
-from specd.costs import smoothed
+from specd.cost_model import smoothed
 from specd.types import SamplingParams
 from specd.verify import Window, verify_window
 
@@ -191,11 +191,11 @@ def test_plain_steps_set_and_then_follow_the_decode_cost(pooled):
         async with _batcher(pooled) as (batcher, a, b):
             costs = []
             (_, first), = await _round(batcher, [a])
-            costs.append(batcher.decode_cost.value)
+            costs.append(batcher.costs.value("decode_cost"))
             (_, second), = await _round(batcher, [a])
-            costs.append(batcher.decode_cost.value)
+            costs.append(batcher.costs.value("decode_cost"))
             (_, shared), _ = await _round(batcher, [a, b])
-            costs.append(batcher.decode_cost.value)
+            costs.append(batcher.costs.value("decode_cost"))
             return first, second, shared, costs
 
     first, second, shared, (seeded, followed, after) = asyncio.run(main())
@@ -246,7 +246,7 @@ def test_a_served_forward_is_timed_until_its_verdicts_exist(pooled):
     async def main():
         async with _batcher(pooled) as (batcher, a, _b):
             _, info = await batcher.submit(a, [7], 1, slow_verdict)
-            return info, batcher.decode_cost.value
+            return info, batcher.costs.value("decode_cost")
 
     info, decode_cost = asyncio.run(main())
     assert info.forward_seconds >= 0.05 and decode_cost >= 0.05

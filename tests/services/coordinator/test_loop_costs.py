@@ -12,7 +12,7 @@ import pytest
 from services.coordinator.coordinator import Coordinator
 from services.coordinator.loop import LoopConfig, RequestLoop
 from services.proto.specd.target.v1 import target_pb2
-from specd.costs import MovingAverage
+from specd.cost_model import COORDINATOR, CostModel, smoothed
 from specd.types import SamplingParams, SpecParams
 
 SURFACE = (0.040, 0.043, 0.046, 0.049, 0.052, 0.055, 0.058, 0.060)  # B sessions x 1 token, B = 1..8
@@ -45,21 +45,21 @@ def test_without_a_surface_the_decode_cost_is_the_baseline():
 def test_round_overhead_counts_each_measured_round_once():
     """The coordinator's round-trip overhead: a request's mean over its rounds, weighed like that
     many single rounds (the first request sets it)."""
-    coordinator = SimpleNamespace(decode_s=None, round_overhead=MovingAverage())
+    coordinator = SimpleNamespace(costs=CostModel(COORDINATOR))
 
     def finished(mean: float, rounds: int) -> SimpleNamespace:
         return SimpleNamespace(stats=SimpleNamespace(target_decode_s_per_token=0.0),
                                overhead_s=mean * rounds, overhead_n=rounds)
 
     Coordinator._follow_costs(coordinator, finished(0.010, 3))
-    assert coordinator.round_overhead.value == pytest.approx(0.010)
+    assert coordinator.costs.value("round_overhead") == pytest.approx(0.010)
     Coordinator._follow_costs(coordinator, finished(0.020, 40))
-    singles = MovingAverage(0.010)
+    singles = 0.010
     for _ in range(40):
-        singles.observe(0.020)
-    assert coordinator.round_overhead.value == pytest.approx(singles.value)
+        singles = smoothed(singles, 0.020)
+    assert coordinator.costs.value("round_overhead") == pytest.approx(singles)
     Coordinator._follow_costs(coordinator, finished(0.5, 0))  # no round measured: nothing moves
-    assert coordinator.round_overhead.value == pytest.approx(singles.value)
+    assert coordinator.costs.value("round_overhead") == pytest.approx(singles)
 
 
 def test_a_write_that_raced_a_refusal_reports_the_refusal():

@@ -37,7 +37,8 @@ def flat_target(loop, target) -> Service:
     """A target service whose cost curve says a forward over 17 tokens costs what one over 1 does
     (as on a GPU), so that every round is worth a tree: the tiny model's measured curve is noise."""
     servicer = TargetServicer(target)
-    servicer.verify_seconds = [servicer.verify_seconds[0]] * len(servicer.verify_seconds)
+    curve = servicer.costs.value("verify_seconds")
+    servicer.costs.seed("verify_seconds", [curve[0]] * len(curve))
     server, port = loop.run(start_target(TargetSettings(port=0), servicer))
     return Service(f"127.0.0.1:{port}", servicer, server, loop)
 

@@ -70,7 +70,7 @@ def test_greedy_output_is_the_target_alone_with_no_draft_service(chat_pair, draf
         drafted, accepted = drafted + stats["drafted"], accepted + stats["accepted"]
     assert accepted > 0 and drafted > accepted or policy == "cost-aware"  # lookups right and wrong
     assert drafted > 0
-    assert drafting_target.servicer.load_fit.forwards > 0  # what the forwards cost, for cost-aware's prices
+    assert drafting_target.servicer.costs.value("load_fit").forwards > 0  # what the forwards cost, for cost-aware's prices
 
 
 def test_seeded_sampling_is_the_target_alone_with_the_same_seed(chat_pair, drafting_target):

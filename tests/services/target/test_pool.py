@@ -307,13 +307,14 @@ def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(
             await _verify(first, [])
             await asyncio.sleep(0.05)
             await _verify(first, [], 2)  # timed: a real time per token, under any budget here
-            assert 0 < servicer.admission.token_time.value < 1000.0 * servicer.verify_seconds[0]
-            servicer.admission.token_time.value = 2000.0 * servicer.verify_seconds[0]  # as if badly overloaded ...
+            one_token_s = servicer.costs.value("verify_seconds")[0]
+            assert 0 < servicer.costs.value("token_time") < 1000.0 * one_token_s
+            servicer.costs.seed("token_time", 2000.0 * one_token_s)  # as if badly overloaded ...
             servicer.admission.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
             stale = await _open(stub)
             assert (await _verify(stale, [])).num_accepted == 0  # admitted
             await _close(stale)
-            servicer.admission.token_time.value = 2000.0 * servicer.verify_seconds[0]  # overloaded now
+            servicer.costs.seed("token_time", 2000.0 * one_token_s)  # overloaded now
             servicer.admission.token_time_at = time.perf_counter()
             extra = await _open(stub)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
