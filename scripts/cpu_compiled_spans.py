@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from specd.models.loading import load_model
-from specd.models.pool import pooled_extend
+from specd.runtime.loading import load_model
+from specd.runtime.pool import pooled_extend
 
 CASES = [[60] * 2 + [250] * 6, [50] * 4 + [300] * 4, [500] * 8, [50] * 4 + [1000] * 4, [2000] * 8,
          [200] * 7 + [2000], [50] * 7 + [4500], [2000], [4000]]

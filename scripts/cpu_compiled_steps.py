@@ -1,5 +1,5 @@
-"""CPU forward times of the KV pool, eager against compiled ahead of time (specd.models.aot), the
-latter with torch's products and with specd's few-row product (specd.models.rows), on the
+"""CPU forward times of the KV pool, eager against compiled ahead of time (specd.runtime.aot), the
+latter with torch's products and with specd's few-row product (specd.runtime.rows), on the
 embedded target (docs/engine.md, "Compiled CPU forwards"): one session's decode step and
 verification windows, and the same for 8 sessions in one forward, after 200-token contexts,
 each including the LM head of the positions a verification reads. Medians of 9 forwards, the
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from specd.models import rows
-from specd.models.embedded import default_cache_dir
-from specd.models.loading import load_model
-from specd.models.pool import pooled_extend
+from specd.runtime import rows
+from specd.runtime.embedded import default_cache_dir
+from specd.runtime.loading import load_model
+from specd.runtime.pool import pooled_extend
 
 CONTEXT = 200
 # tokens of each session in one forward: decode steps, windows, and 8 sessions whose windows join

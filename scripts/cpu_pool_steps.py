@@ -18,9 +18,9 @@ import statistics
 import time
 from dataclasses import replace
 
-import specd.models.pool as pool_module
-from specd.models.loading import load_model
-from specd.models.pool import pooled_extend
+import specd.runtime.pool as pool_module
+from specd.runtime.loading import load_model
+from specd.runtime.pool import pooled_extend
 
 
 def median_ms(sessions, widths, lengths, repeats: int = 7) -> float:

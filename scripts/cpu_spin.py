@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from specd.models.loading import load_model
-from specd.models.pool import pooled_extend
+from specd.runtime.loading import load_model
+from specd.runtime.pool import pooled_extend
 
 CONTEXT = 200
 

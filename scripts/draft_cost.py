@@ -35,7 +35,7 @@ from specd.costs import (CostCurve, cpu_model, measure_cost_curve, measure_t_dra
                          synthetic_prefix)
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models import load_model
+from specd.runtime import load_model
 from specd.policies import PolicyResources, request_policy
 from specd.round import draft_window
 from specd.sampling import race_row, request_generator
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
                 out["cells"][f"{label} {kind}/{policy}"] = best
                 print(f"{label} {kind}/{policy}: {best}", flush=True)
     if args.answers is not None and kept is None and set(written) == set(samplings):
-        # with the prompts, the file is also a virtual device's replay (specd/models/virtual.py)
+        # with the prompts, the file is also a virtual device's replay (specd/runtime/virtual.py)
         args.answers.write_text(json.dumps({**written, "prompts": prompts, "target": target.name}))
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")

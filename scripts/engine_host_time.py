@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specd.bench.datasets import load_questions
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models import load_model
-from specd.models.pool import PoolSession
-from specd.models.session import KVSession
+from specd.runtime import load_model
+from specd.runtime.pool import PoolSession
+from specd.runtime.session import KVSession
 from specd.types import SamplingParams, SpecParams
 
 CONFIGS = {  # name: (policy, temperature, seed, top_p)

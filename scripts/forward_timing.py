@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from specd.models import load_model
-from specd.models.lean import LeanModel
-from specd.models.session import KVSession, hf_forward
+from specd.runtime import load_model
+from specd.runtime.lean import LeanModel
+from specd.runtime.session import KVSession, hf_forward
 
 SIZES = (1, 2, 4, 6, 8, 16)
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specd.drafters import build_drafter  # noqa: E402
 from specd.engine import SpeculativeEngine  # noqa: E402
-from specd.models.loading import LoadedModel  # noqa: E402
+from specd.runtime.loading import LoadedModel  # noqa: E402
 from specd.types import SamplingParams, SpecParams  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
     p.add_argument("--gemv-rows", type=int, default=None, help="fused forwards of 2..N rows run each projection as "
-                                                              "one-row products (specd.models.pool.GEMV_ROWS)")
+                                                              "one-row products (specd.runtime.pool.GEMV_ROWS)")
     p.add_argument("--skip-exact", action="store_true", help="leave out the exact path's graphs")
     p.add_argument("--skip-slow", action="store_true", help="leave out transformers' forward and the eager pool "
                                                              "(target alone and batched)")
@@ -91,18 +91,18 @@ def sync(device: torch.device) -> None:
 
 def load(args) -> LoadedModel:
     if args.model == "tiny":
-        from specd.models.tiny import tiny_llama
+        from specd.runtime.tiny import tiny_llama
 
         model = tiny_llama(0, layers=6, vocab_size=256, hidden=64, max_context=4096)
         model.to(args.device)
         eos = frozenset([model.generation_config.eos_token_id])
         return LoadedModel("tiny", model, None, torch.device(args.device), 4096, eos, "lean")
     if args.gguf:
-        from specd.models import embedded
+        from specd.runtime import embedded
 
         gguf = Path(args.gguf).resolve()
         embedded.gguf_path = lambda: gguf  # the same dequantization, from a carried copy of the file
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     # No pool here: each section opens the variants it compares (the base is transformers' forward on a GPU).
     return load_model(args.model, args.device, "float32", forward="lean" if args.device == "cpu" else "hf",
@@ -345,7 +345,7 @@ def services(args, clock: Clock, results: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     clock = Clock(args.budget_s)
-    import specd.models.pool as pool_module
+    import specd.runtime.pool as pool_module
 
     if args.gemv_rows is not None:
         pool_module.GEMV_ROWS = args.gemv_rows

@@ -2,7 +2,7 @@
 not depend on weight values, and no model file has to travel to a lent GPU). One run answers:
 
 1. linear: for the model's projections, does a batch of one-row matrix-vector products
-   (specd.models.pool._rows_product) beat the matrix product for 2..32 rows in float32?
+   (specd.runtime.pool._rows_product) beat the matrix product for 2..32 rows in float32?
 2. steps: pooled forwards replayed from CUDA graphs, per (sessions x query rows) shape, for each
    variant of the fused forward (with --before FILE: the previous one, for an A/B in one run);
    what a verification window costs against a one-row step;
@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import specd.models.pool as P  # noqa: E402
-from specd.models.loading import LoadedModel  # noqa: E402
+import specd.runtime.pool as P  # noqa: E402
+from specd.runtime.loading import LoadedModel  # noqa: E402
 
 SHAPES = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 17), (8, 1), (32, 1), (8, 4)]
 

@@ -33,7 +33,7 @@ from specd.costs import provenance  # noqa: E402
 from specd.drafters import build_drafter, default_drafter  # noqa: E402
 from specd.engine import SpeculativeEngine  # noqa: E402
 from specd.grammar import GrammarSpec  # noqa: E402
-from specd.models import load_model  # noqa: E402
+from specd.runtime import load_model  # noqa: E402
 from specd.types import SamplingParams, SpecParams  # noqa: E402
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mt_bench_question.jsonl"

@@ -76,7 +76,7 @@ def cmd_bench_services(args) -> int:
     from specd.bench.datasets import dataset_label, load_questions
     from specd.drafters import build_drafter
     from specd.engine import SpeculativeEngine
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-services-"))

@@ -195,7 +195,7 @@ def _plan(args) -> list[tuple[str, list[str], int]]:
     gateway = args.port or free_port()
     cpus = os.cpu_count() or 2
     from specd.drafters import MODEL_FREE, default_drafter
-    from specd.models.loading import model_name
+    from specd.runtime.loading import model_name
 
     drafter = args.drafter or default_drafter(model_name(args.target_model))
     draft_flags = ["--drafter", drafter, "--target-model", args.target_model]

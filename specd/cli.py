@@ -46,7 +46,7 @@ def _policy_param(text: str) -> tuple[str, float]:
 def _load_model(args, spec: str):
     """load_model with the command's device, dtype, cache, kernels and forward (train-drafter has
     no kernel or forward flags: auto; training falls back to PyTorch's kernels by itself)."""
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     return load_model(spec, args.device, args.dtype, args.cache_dir, getattr(args, "linear_kernels", "auto"),
                       getattr(args, "forward", "auto"), getattr(args, "cuda_graphs", "auto"),
@@ -365,7 +365,7 @@ def _tree_note(stats: dict) -> str:
 
 
 def _cache_dir(args) -> Path:
-    from specd.models.embedded import default_cache_dir
+    from specd.runtime.embedded import default_cache_dir
 
     return args.cache_dir or default_cache_dir()
 
@@ -479,7 +479,7 @@ def cmd_bench(args) -> int:
     from specd.bench.report import write_outputs
 
     from specd.drafters import default_drafter
-    from specd.models.loading import model_name
+    from specd.runtime.loading import model_name
 
     baselines = _comma_list(args.baselines)
     drafters = _comma_list(args.drafter) or (default_drafter(model_name(args.target_model)),)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from specd.cost_model import ESTIMATES, LOAD_FIT_FORGET, LOAD_FIT_PRIOR, LOAD_SMOOTHING, SMOOTHING, decayed
-from specd.models.kernels import kernels_of
+from specd.runtime.kernels import kernels_of
 from specd.types import SamplingParams
 
 @dataclass

@@ -26,7 +26,7 @@ from specd.detok import TextStream, first_stop
 from specd.drafters.base import Drafter
 from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.grammar import Grammar
 from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias

@@ -25,3 +25,7 @@ class Overloaded(SpecdError):
 
 class Unavailable(SpecdError):
     """A service this request needs is not reachable."""
+
+
+class Idle(SpecdError):
+    """A client kept a session open and sent nothing for longer than it may."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.models.tiny import loaded, perturbed, save_tiny, tiny_llama
+from specd.runtime.tiny import loaded, perturbed, save_tiny, tiny_llama
 
 torch.set_num_threads(2)
 
@@ -46,7 +46,7 @@ def tiny_dirs(tmp_path_factory, tiny_target, tiny_draft):
 
 @pytest.fixture(scope="session")
 def embedded():
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     return load_model("embedded", device="cpu", dtype="float32")
 

@@ -22,7 +22,7 @@ import pytest
 
 from services.cli import free_port
 from services.common.server import check_health
-from specd.models import rows
+from specd.runtime import rows
 from tests.deploy.test_manifests import instructions
 
 pytestmark = [pytest.mark.external, pytest.mark.slow]  # pip, a venv and real `specd` processes
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.external, pytest.mark.slow]  # pip, a venv and real `s
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 STARTUP_TIMEOUT_S = 120.0
-UNAVAILABLE = "few-row CPU product unavailable"  # specd.models.rows' warning when auto falls back
+UNAVAILABLE = "few-row CPU product unavailable"  # specd.runtime.rows' warning when auto falls back
 WHERE = ("import json, specd, services, clients; "
          "print(json.dumps([specd.__file__, services.__file__, clients.__file__]))")
 SHIPPED_PROMQL = ("from services.common.dashboards import alert_expressions, dashboard_expressions; "

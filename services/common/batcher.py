@@ -23,9 +23,9 @@ trip is as long as a forward (a GPU under load), the runs go on as soon as they 
 travellers, whose replies travel while the next forward runs (docs/engine.md, "Plain runs in
 the step scheduler").
 
-Sessions in a KV pool (specd.models.pool) run as one pooled forward that reads and writes their
+Sessions in a KV pool (specd.runtime.pool) run as one pooled forward that reads and writes their
 slots in place; other sessions are copied into a padded batch cache
-(specd.models.batch.batched_extend_hidden).
+(specd.runtime.batch.batched_extend_hidden).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import torch
 from specd.cost_model import TARGET, CostModel
 from specd.costs import median_time, settle, synthetic_prefix
 from specd.errors import Overloaded
-from specd.models.batch import batched_extend_hidden
-from specd.models.pool import PoolSession, pooled_extend
-from specd.models.session import KVSession
+from specd.runtime.batch import batched_extend_hidden
+from specd.runtime.pool import PoolSession, pooled_extend
+from specd.runtime.session import KVSession
 from specd.tree import DraftTree
 from specd.verify import Verdict, Window, verify_windows
 

@@ -8,7 +8,7 @@ import torch
 
 from services.proto.specd.common.v1 import common_pb2
 from specd.grammar import GrammarSpec
-from specd.models.loading import LoadedModel, tokenizer_fingerprint
+from specd.runtime.loading import LoadedModel, tokenizer_fingerprint
 from specd.types import SamplingParams
 
 # A distribution with at most this fraction of non-zero entries is sent sparse: 8 bytes per

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from specd.errors import InvalidRequest, ModelError, Overloaded, SpecdError, Unavailable
+from specd.errors import Idle, InvalidRequest, ModelError, Overloaded, SpecdError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ _CODES: list[tuple[type[SpecdError], grpc.StatusCode]] = [
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ModelError, grpc.StatusCode.FAILED_PRECONDITION),
+    (Idle, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -208,11 +208,11 @@ class TargetSettings(ModelSettings):
                                                           "time this device profile gives for its shape "
                                                           "(bench-load's results.json, its target_costs), the "
                                                           "model still computing on this machine "
-                                                          "(specd/models/virtual.py)")
+                                                          "(specd/runtime/virtual.py)")
     virtual_replay: Path | None = Field(None, description="benchmarks only, with virtual_device: each forward's "
                                                           "logits follow these recorded answers where its context "
                                                           "is one of theirs (scripts/draft_cost.py --answers; "
-                                                          "specd/models/virtual.py)")
+                                                          "specd/runtime/virtual.py)")
     max_window_tokens: int = Field(64, ge=1, le=4096,
                                    description="draft tokens (chain and draft-tree side nodes) one verification "
                                                "may bring; a larger window is refused (INVALID_ARGUMENT naming "

@@ -51,7 +51,7 @@ from specd.detok import TextStream
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
 from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
-from specd.models.loading import encode_prompt
+from specd.runtime.loading import encode_prompt
 from specd.tools import call_tokens, template_format
 from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
 from specd.state import StateKey
@@ -252,10 +252,11 @@ class Coordinator:
         check_spec(spec, sampling)  # names a bad parameter before any work starts
         overlap = self.cfg.overlap if request.overlap is None else request.overlap
         return LoopConfig(
-            prompt, sampling, spec, overlap and not spec.relaxed,  # relaxed runs sequentially
-            min(len(prompt) + sampling.max_new_tokens, info.max_context), frozenset(info.eos_token_ids),
-            info.vocab_size, False, {}, self.cfg.request_timeout_s, self.cfg.draft_stall_s, None,
-            plain_runs=self.plain_runs, tenant=request.tenant, logprobs=request.logprobs)
+            prompt=prompt, sampling=sampling, spec=spec, overlap=overlap and not spec.relaxed,  # relaxed: sequential
+            max_length=min(len(prompt) + sampling.max_new_tokens, info.max_context),
+            eos=frozenset(info.eos_token_ids), vocab_size=info.vocab_size, timeout_s=self.cfg.request_timeout_s,
+            draft_stall_s=self.cfg.draft_stall_s, plain_runs=self.plain_runs, tenant=request.tenant,
+            logprobs=request.logprobs)
 
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:
         state = await self._load_state(self._state_key(cfg, draft.name))

@@ -93,20 +93,20 @@ class LoopStats(GenerationStats):
                 "target_only_s_per_token": round(self.target_only_s_per_token, 6)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopConfig:
     prompt: list[int]
     sampling: SamplingParams
     spec: SpecParams
-    overlap: bool
     max_length: int  # prompt + max_new_tokens, within the context
-    eos: frozenset[int]
     vocab_size: int
-    send_distributions: bool  # sampling (or relaxed) with a drafter that has q
-    policy_state: dict
     timeout_s: float  # deadline of the whole request on both services
     draft_stall_s: float  # waiting this long on the draft alone means it is stuck: fall back
-    drafter: str | None
+    overlap: bool = False  # PEARL: the draft drafts the next window while this one is verified
+    eos: frozenset[int] = frozenset()
+    send_distributions: bool = False  # sampling (or relaxed) with a drafter that has q
+    policy_state: dict = field(default_factory=dict)
+    drafter: str | None = None  # the draft service's drafter (None: no draft service yet)
     verify_seconds: tuple[float, ...] = ()  # the target's cost curve, for cost-aware policies
     batch_seconds: tuple[float, ...] = ()  # and its batched cost surface
     batch_token_seconds: tuple[float, ...] = ()

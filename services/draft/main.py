@@ -24,10 +24,10 @@ def build_servicer(s: DraftSettings, executor: ThreadPoolExecutor | None = None)
 
     from specd.drafters import build_drafter
     from specd.drafters.early_exit import EarlyExitDrafter
-    from specd.models import load_model
-    from specd.models.arch import unsupported
-    from specd.models.lean import supports
-    from specd.models.loading import model_name
+    from specd.runtime import load_model
+    from specd.runtime.arch import unsupported
+    from specd.runtime.lean import supports
+    from specd.runtime.loading import model_name
     from specd.policies import AcceptanceHead, bundled_head_path
 
     if s.dvi:  # checked before loading anything

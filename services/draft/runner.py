@@ -99,7 +99,7 @@ class _Window:
 
 class DraftRunner:
     def __init__(self, session: DraftSession, policy: StoppingPolicy, sampling: SamplingParams,
-                 prompt: list[int], max_length: int, lookahead: int, send_q: bool,
+                 prompt: list[int], *, max_length: int, lookahead: int, send_q: bool,
                  executor: Executor, publish: Callable[[object], None],
                  on_step: Callable[[float], None] | None = None,
                  log_records: Callable[[list[Record]], None] | None = None,

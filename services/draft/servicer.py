@@ -27,7 +27,7 @@ from specd.costs import measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.dvi import TOP_K
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.policies import POLICIES, PolicyResources, request_policy
 from specd.tree import TreePlanner, tree_shape
 
@@ -151,11 +151,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                            o.spec.relaxed)
         trees = TreePlanner(*shape) if shape[0] and learning is None and not o.sampling.adjusts_logits else None
         curve = (policy.resources.costs or costs()) if trees is not None else None
-        runner = DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, o.max_length,
-                             o.lookahead, o.send_distributions and self.drafter.has_distribution, self.executor,
-                             publish, self._on_step, learning.log if learning is not None else None,
-                             lambda: self.drafter.lora_version, self.batcher, self.load_caps, trees,
-                             curve.t_monotone if curve is not None else None)
+        runner = DraftRunner(self.drafter.open(o.vocab_size), policy, o.sampling, o.prompt, max_length=o.max_length,
+                             lookahead=o.lookahead, send_q=o.send_distributions and self.drafter.has_distribution,
+                             executor=self.executor, publish=publish, on_step=self._on_step,
+                             log_records=learning.log if learning is not None else None,
+                             adapter_version=lambda: self.drafter.lora_version, batcher=self.batcher,
+                             load_caps=self.load_caps, trees=trees,
+                             t_target=curve.t_monotone if curve is not None else None)
         runner.vocab_size = vocab
         return runner
 

@@ -10,8 +10,8 @@ window is drafted."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-from services.proto.specd.target.v1 import target_pb2
 from specd.costs import CostCurve, LoadFit
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
@@ -23,24 +23,42 @@ from specd.types import SamplingParams, SpecParams
 from specd.verify import Verdict
 
 
+@dataclass(frozen=True, kw_only=True)
+class LocalSpec:
+    """How a session drafts on the target (OpenTarget.speculate): its stopping policy, the policy's
+    saved state, and the length (prompt included) it drafts up to."""
+    spec: SpecParams
+    max_length: int
+    policy_state: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Closed:
+    """What a session ends with: where it drafted here, the policy's state to save and what it
+    drafted."""
+    policy_state: dict[str, float] = field(default_factory=dict)
+    num_drafted: int = 0
+    draft_seconds: float = 0.0
+    grammar_drafted: int = 0  # of the drafts, those the grammar forced
+
+
 class LocalDrafting:
-    def __init__(self, drafter: Drafter, msg: target_pb2.LocalDrafting, sampling: SamplingParams, prompt_len: int,
+    def __init__(self, drafter: Drafter, local: LocalSpec, sampling: SamplingParams, prompt_len: int,
                  vocab_size: int, costs):
         """costs(): the cost curve, asked only by a policy that weighs costs (cost-aware)."""
-        spec = SpecParams(msg.policy, msg.max_draft_tokens if msg.HasField("max_draft_tokens") else None,
-                          dict(msg.policy_params))
+        spec = local.spec
         if spec.policy == NO_SPECULATION:
             raise InvalidRequest("speculate.policy", "drafting needs a stopping policy; 'none' is the target alone")
         check_spec(spec, sampling)
         if policy_class(spec.policy).needs_hidden:
             raise InvalidRequest("speculate.policy", f"{spec.policy} reads a draft model's hidden state; "
                                                      f"the target drafts with {drafter.name}, which has none")
-        if msg.max_length <= prompt_len:
+        if local.max_length <= prompt_len:
             raise InvalidRequest("speculate.max_length", f"must exceed the prompt's {prompt_len} tokens")
-        self.policy = request_policy(spec, dict(msg.policy_state), PolicyResources(None, None), costs)
+        self.policy = request_policy(spec, dict(local.policy_state), PolicyResources(None, None), costs)
         self.session = drafter.open(vocab_size)
         self.sampling, self.generator = sampling, request_generator(sampling)
-        self.prompt_len, self.max_length = prompt_len, msg.max_length
+        self.prompt_len, self.max_length = prompt_len, local.max_length
         self.window = DraftedWindow()
         self.verdict: tuple[int, Verdict] | None = None  # (committed before it, the window's verdict), unobserved
         self.load: tuple[int, int, int] | None = None  # the last forward's other sessions, their tokens, what they emitted
@@ -91,11 +109,11 @@ class LocalDrafting:
         self.session.rollback(committed + verdict.num_accepted)
         self.emitted = verdict.num_accepted + 1
 
-    def closed(self) -> target_pb2.TargetClosed:
+    def closed(self) -> Closed:
         """What the session ends with: the policy's state to save, what it drafted."""
         self.settle()
-        return target_pb2.TargetClosed(policy_state=self.policy.state(), num_drafted=self.num_drafted,
-                                       draft_seconds=self.draft_seconds, grammar_drafted=self.grammar_drafted)
+        return Closed(policy_state=self.policy.state(), num_drafted=self.num_drafted,
+                      draft_seconds=self.draft_seconds, grammar_drafted=self.grammar_drafted)
 
     def close(self) -> None:
         self.session.close()

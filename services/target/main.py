@@ -28,8 +28,8 @@ def build_servicer(s: TargetSettings, executor: ThreadPoolExecutor | None = None
         from specd.drafters import build_drafter
 
         drafter = build_drafter(s.drafter, target, datastore=s.datastore)
-    return TargetServicer(target, s.max_batch_size, prefill_chunk=s.prefill_chunk, gather=s.batch_gather,
-                          executor=executor, latency_budget=s.latency_budget, drafter=drafter,
+    return TargetServicer(target, executor=executor, drafter=drafter, max_batch_size=s.max_batch_size,
+                          prefill_chunk=s.prefill_chunk, gather=s.batch_gather, latency_budget=s.latency_budget,
                           max_window_tokens=s.max_window_tokens, idle_timeout_s=s.idle_timeout_s,
                           fair_share_reserve=s.kv_fair_share_reserve)
 
@@ -39,9 +39,9 @@ def load_target(s: TargetSettings):
     pool mirrors its forwards to the other ranks)."""
     import torch
 
-    from specd.models import load_model
-    from specd.models.loading import resolve_device
-    from specd.models.tp import TensorParallel
+    from specd.runtime import load_model
+    from specd.runtime.loading import resolve_device
+    from specd.runtime.tp import TensorParallel
 
     tp = TensorParallel.from_env() if s.tensor_parallel > 1 else None
     if s.threads:
@@ -58,7 +58,7 @@ def load_target(s: TargetSettings):
     if s.virtual_replay is not None and s.virtual_device is None:
         raise InvalidRequest("virtual_replay", "a replay is a virtual device's; set virtual_device too")
     if s.virtual_device is not None:
-        from specd.models.virtual import DeviceProfile, Replay, VirtualDevice
+        from specd.runtime.virtual import DeviceProfile, Replay, VirtualDevice
 
         if target.pool is None:
             raise InvalidRequest("virtual_device", "a virtual device times the KV pool's forwards; set kv_slots > 0")
@@ -77,7 +77,7 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True, tp=None) ->
     """Open sessions in a preallocated KV pool (and capture CUDA graphs) where the settings and
     the model allow; otherwise sessions keep growing caches of their own. tp: the ranks agree on
     the slots that fit on every one of them."""
-    from specd.models.arch import unsupported
+    from specd.runtime.arch import unsupported
 
     if s.kv_slots == 0:
         log.warning("target %s: kv_slots 0, no KV pool: sessions grow their own caches, and nothing caps "
@@ -94,8 +94,8 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True, tp=None) ->
         compiled = s.cpu_compile if graphs_allowed else "off"
     slots, fraction = s.kv_slots, s.kv_memory_fraction
     if tp is not None:
-        from specd.models.loading import slots_that_fit
-        from specd.models.tp import agree
+        from specd.runtime.loading import slots_that_fit
+        from specd.runtime.tp import agree
 
         length = min(s.kv_max_len, target.max_context)
         slots, fraction = agree(tp, slots_that_fit(target.model.config, target.model.dtype, target.device, slots,
@@ -138,7 +138,7 @@ async def start(s: TargetSettings, servicer: TargetServicer) -> tuple[grpc.aio.S
 
 async def serve(s: TargetSettings) -> None:
     if s.tensor_parallel > 1:
-        from specd.models.tp import TensorParallel, follow, stop_followers
+        from specd.runtime.tp import TensorParallel, follow, stop_followers
 
         tp = TensorParallel.from_env()
         if tp is None:  # start the ranks: this command again under torchrun, one process per rank
@@ -157,5 +157,5 @@ async def serve(s: TargetSettings) -> None:
     await serve_until_signal("target", server, port, servicer.registry, s.host, s.metrics_port, s.drain_grace_s)
     servicer.close()
     if s.tensor_parallel > 1:
-        await build_on(servicer.executor, lambda _executor: stop_followers(tp))
+        await build_on(servicer.core.executor, lambda _executor: stop_followers(tp))
         tp.close()

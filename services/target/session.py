@@ -6,15 +6,16 @@ window (engine.py's invariant, docs/engine.md, "The round")."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import torch
 
 from specd.dvi import top_logprobs
 from specd.engine import validate_prompt
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.grammar import Grammar
-from specd.logprobs import check_logprobs, emitted_logprobs
+from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias
 from specd.round import judged_window
 from specd.sampling import request_generator
@@ -24,6 +25,17 @@ from specd.verify import Verdict, Window, verify_window
 
 MAX_TOP_LOGPROBS = 64
 PROB_SLACK = 1e-5  # float32 round-off over q(x) = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Judged:
+    """One window's verdict, with what the session returns besides (on the compute thread)."""
+    verdict: Verdict
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # top log-probabilities of the judged positions
+    features: tuple[int, torch.Tensor] | None = None  # (first position, hidden states) now committed
+    accepted: list[int] = field(default_factory=list)  # the tokens kept: a tree's path, drafts made here
+    drafted: int = 0  # drafts of a session that drafts on the target
+    emitted: list[TokenLogprob] = field(default_factory=list)  # where the session returns them
 
 
 class TargetSession:
@@ -111,17 +123,17 @@ class TargetSession:
             raise InvalidRequest("side_tokens", "a session that returns features verifies chains, not draft trees")
         return DraftTree.from_nodes(drafts, side_tokens, side_parents, self.vocab)
 
-    def judge_tree(self, logits: torch.Tensor, tree: DraftTree, q: torch.Tensor | None) -> tuple[Verdict, list[int]]:
-        """A tree forward's logits [len(tree) + 1, V] -> (verdict: num_accepted the path's length,
-        num_strict its leading chain nodes; the path's tokens); commits it and keeps the path's
-        keys and values."""
+    def judge_tree(self, logits: torch.Tensor, tree: DraftTree, q: torch.Tensor | None) -> Judged:
+        """A tree forward's logits [len(tree) + 1, V] -> its verdict (num_accepted the path's
+        length, num_strict its leading chain nodes) and the path's tokens; commits it and keeps
+        the path's keys and values."""
         committed = len(self.seq)
         logits, q = self.within_vocab(logits, q)
         v = verify_tree(logits, tree, self.sampling, self.generator, committed, list(q) if q is not None else None)
         self.kv.keep_path(committed, v.path)
         accepted = [tree.tokens[i] for i in v.path]
         self.seq += accepted + [v.next_token]
-        return Verdict(len(v.path), v.next_token, tree.main_prefix(v.path)), accepted
+        return Judged(verdict=Verdict(len(v.path), v.next_token, tree.main_prefix(v.path)), accepted=accepted)
 
     def check_window(self, drafts: list[int], probs: list[float], has_distributions: bool, relaxed: bool,
                      top_k: int) -> None:
@@ -154,12 +166,13 @@ class TargetSession:
 
     def judge(self, logits: torch.Tensor, hidden: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
               relaxed_threshold: float | None, relaxed: bool, top_k: int, start: int,
-              verdict: Verdict | None = None):
-        """One window's forward -> (verdict, the top-k log-probabilities of the judged positions
-        (up to the first rejection) or None, the committed positions' hidden states from start
-        or None, the emitted tokens' log-probabilities where the session returns them, else
-        []); commits the verdict. start: the position of the window's first fed token; verdict:
-        the batched forward's (verify_windows of its batch_window), else judged here."""
+              verdict: Verdict | None = None) -> Judged:
+        """One window's forward -> its verdict, the top-k log-probabilities of the judged
+        positions (up to the first rejection), the committed positions' hidden states from start
+        (copied to the host: hidden may be a buffer the next forward reuses) and the emitted
+        tokens' log-probabilities where the session returns them; commits the verdict. start:
+        the position of the window's first fed token; verdict: the batched forward's
+        (verify_windows of its batch_window), else judged here."""
         logits, q = self.within_vocab(logits, q)
         verdict = self.commit(verdict, drafts) if verdict is not None else \
             self.verify(logits, drafts, q, relaxed_threshold, relaxed)
@@ -167,7 +180,8 @@ class TargetSession:
         feats = self.committed_features(start, hidden, verdict) if hidden is not None else None
         emitted = (emitted_logprobs(logits, drafts[:verdict.num_accepted] + [verdict.next_token], self.logprobs)
                    if self.logprobs is not None else [])
-        return verdict, top, feats, emitted
+        return Judged(verdict=verdict, top=top, emitted=emitted,
+                      features=(feats[0], feats[1].to("cpu", torch.float32, copy=True)) if feats else None)
 
     def within_vocab(self, logits: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits (and q) without the columns past the tokenizer: a view, so every path (greedy,

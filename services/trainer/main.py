@@ -113,7 +113,7 @@ def build_loop(s: TrainerSettings, registry: CollectorRegistry | None = None) ->
     if not s.redis_url:
         raise InvalidRequest("redis_url", "the trainer reads the replay stream from Redis; set redis_url")
     from specd.drafters import build_drafter
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     if s.threads:
         torch.set_num_threads(s.threads)

@@ -43,16 +43,16 @@ class BenchSettings:
     dtype: str = "auto"
     cache_dir: Path | None = None
     draft_adapter: Path | None = None  # trained early-exit adapter
-    linear_kernels: str = "auto"  # specd/models/kernels.py
+    linear_kernels: str = "auto"  # specd/runtime/kernels.py
     datastore: Path | None = None  # retrieval's; None: the bundled one
     trees: bool = False  # also run lookup drafters with draft trees (specd.tree)
-    forward: str = "auto"  # auto | lean | hf (specd/models/lean.py)
+    forward: str = "auto"  # auto | lean | hf (specd/runtime/lean.py)
     offset: int = 0  # questions skipped before the first one used
-    cuda_graphs: str = "auto"  # auto | on | off (specd/models/graphs.py)
+    cuda_graphs: str = "auto"  # auto | on | off (specd/runtime/graphs.py)
     # Every run starts as a fresh `specd generate` would: empty policy state and the start-up
     # cost curve, so nothing learned on earlier prompts helps (or hurts) this one.
     cold_start: bool = False
-    cpu_compile: str = "auto"  # auto | on | off (specd/models/aot.py)
+    cpu_compile: str = "auto"  # auto | on | off (specd/runtime/aot.py)
 
     @property
     def greedy(self) -> bool:

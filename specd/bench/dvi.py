@@ -22,7 +22,7 @@ from specd.bench.oracle import teacher_forced_agreement
 from specd.drafters.base import Drafter
 from specd.dvi import MemoryReplayStream, TrainerConfig, trainer_for
 from specd.engine import SpeculativeEngine
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.types import SamplingParams, SpecParams
 
 

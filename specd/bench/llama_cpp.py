@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from specd.models.embedded import EMBEDDED_NAME, default_cache_dir, gguf_path
-from specd.models.loading import LoadedModel
+from specd.runtime.embedded import EMBEDDED_NAME, default_cache_dir, gguf_path
+from specd.runtime.loading import LoadedModel
 from specd.types import SamplingParams
 
 LLAMA_PEERS = ("llama-cpp", "llama-cpp-lookup")

@@ -38,7 +38,7 @@ import torch
 
 from specd.costs import CostCurve, measure_t_draft, measure_t_target
 from specd.drafters.base import Drafter, fit_vocab
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.sampling import logits_to_probs, race_scores
 from specd.tree import choose_branches
 from specd.types import SamplingParams

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from specd.bench import llama_cpp
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.types import SamplingParams
 
 PEERS = ("hf-ar", "hf-prompt-lookup", "hf-assisted", "hf-heuristic", *llama_cpp.LLAMA_PEERS)

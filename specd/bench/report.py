@@ -15,7 +15,7 @@ from specd.bench.datasets import dataset_label
 from specd.bench.metrics import aggregate
 from specd.bench.peers import sklearn_available
 from specd.costs import provenance
-from specd.models.kernels import kernels_of
+from specd.runtime.kernels import kernels_of
 
 
 def machine_info(target) -> dict:

@@ -48,7 +48,7 @@ class Models:
 
 
 def load_models(s: BenchSettings) -> Models:
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     target = load_model(s.target_model, s.device, s.dtype, s.cache_dir, s.linear_kernels, s.forward, s.cuda_graphs,
                         cpu_compile=s.cpu_compile)

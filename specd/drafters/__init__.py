@@ -13,7 +13,7 @@ from specd.drafters.hf import HfDrafter
 from specd.drafters.hybrid import HybridDrafter
 from specd.drafters.ngram import NgramDrafter, RetrievalDrafter
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 
 DRAFTERS = ("hf", "early-exit", "ngram", "retrieval", "feature", "hybrid")
 MODEL_FREE = ("ngram", "retrieval")  # no distribution, no hidden states: nothing to teacher-force

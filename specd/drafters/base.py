@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specd.errors import ModelError
-from specd.models.pool import PoolSession
-from specd.models.session import KVSession
+from specd.runtime.pool import PoolSession
+from specd.runtime.session import KVSession
 from specd.sampling import entropy, logits_to_probs, race_row, sample
 from specd.types import DraftStep, SamplingParams
 

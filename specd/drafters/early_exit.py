@@ -19,7 +19,7 @@ An adapter file (safetensors) records its layers, kind and rank in its metadata,
 `--draft-adapter PATH` alone configures the drafter.
 
 Draft sessions run specd's lean forward over the drafter's layers wherever the target's
-sessions do (a float32 Llama on the CPU; specd/models/lean.py): the same logits as
+sessions do (a float32 Llama on the CPU; specd/runtime/lean.py): the same logits as
 transformers' forward, without its per-call overhead, which is most of a shallow model's
 step there. `forward` (transformers', any cache) stays for training and analysis.
 """
@@ -34,10 +34,10 @@ from torch import nn
 
 from specd.drafters.base import Drafter, ModelDraftSession, ReducedVocab, read_adapter_meta, shallow_decoder
 from specd.errors import InvalidRequest, ModelError
-from specd.models.lean import LeanModel
-from specd.models.loading import LoadedModel
-from specd.models.pool import KVPool
-from specd.models.session import KVSession
+from specd.runtime.lean import LeanModel
+from specd.runtime.loading import LoadedModel
+from specd.runtime.pool import KVPool
+from specd.runtime.session import KVSession
 
 ADAPTERS = ("mlp", "layer")
 NO_ADAPTER = "none"  # --draft-adapter none: the untrained (identity) adapter
@@ -170,7 +170,7 @@ def _pool_of(drafter: EarlyExitDrafter, slots: int, max_len: int) -> KVPool:
         return logits.float(), adapted
 
     pool = KVPool(drafter._lean, slots, max_len, head=head)
-    from specd.models.graphs import GraphRunner
+    from specd.runtime.graphs import GraphRunner
 
     if target is not None and isinstance(target.runner, GraphRunner):  # a compiled CPU target's drafter stays eager
         GraphRunner(pool)

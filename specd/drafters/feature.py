@@ -35,7 +35,7 @@ from specd.drafters.base import (
     shallow_decoder,
 )
 from specd.errors import ModelError
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 
 
 class FeatureHead(nn.Module):

@@ -4,7 +4,7 @@ Qwen2.5-0.5B drafting for Qwen2.5-14B). It must share the target's tokenizer."""
 from __future__ import annotations
 
 from specd.drafters.base import Drafter, ModelDraftSession
-from specd.models.loading import LoadedModel, check_pair
+from specd.runtime.loading import LoadedModel, check_pair
 
 
 class HfDrafter(Drafter):

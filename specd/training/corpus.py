@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 
 TEMPLATES = (
     "Explain {t} to a beginner.",

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from specd.drafters.early_exit import EarlyExitDrafter
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.training.corpus import Answered
 
 # (target, drafter, ids, attn, pred) -> (teacher p [N, V], student log q [N, V'], extra loss | None,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from specd.drafters.feature import FeatureDrafter
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
+from specd.runtime.loading import LoadedModel
 from specd.training.corpus import Answered
 from specd.training.early_exit import _teacher_features, _teacher_probs, distill, split_holdout
 

@@ -42,8 +42,8 @@ from specd.drafters.early_exit import EarlyExitDrafter
 from specd.drafters.hf import HfDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models.loading import LoadedModel
-from specd.models.session import ForwardFn, hf_forward
+from specd.runtime.loading import LoadedModel
+from specd.runtime.session import ForwardFn, hf_forward
 from specd.policies.specdecpp import AcceptanceHead
 from specd.types import SamplingParams, SpecParams
 

@@ -35,7 +35,7 @@ def test_embedded_model_shape(embedded):
 
 
 def test_cached_load_is_fast(embedded):
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     t0 = time.perf_counter()
     again = load_model("embedded", device="cpu")

@@ -12,7 +12,7 @@ from specd.bench.datasets import load_questions
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models import load_model
+from specd.runtime import load_model
 from specd.types import SamplingParams, SpecParams
 
 

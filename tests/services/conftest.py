@@ -17,7 +17,7 @@ from services.draft.servicer import DraftServicer
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.drafters import build_drafter
-from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_llama
+from specd.runtime.tiny import char_tokenizer, loaded, perturbed, tiny_llama
 
 
 class LoopThread:

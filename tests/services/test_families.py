@@ -21,12 +21,12 @@ from services.proto.specd.target.v1 import target_pb2_grpc
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.drafters import build_drafter
-from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_family
+from specd.runtime.tiny import char_tokenizer, loaded, perturbed, tiny_family
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import Service, eventually
 from tests.services.coordinator.test_coordinator import generate
 from tests.services.target.test_pool import _close, _open, _verify
-from tests.specd.models.test_families import greedy_reference
+from tests.specd.runtime.test_families import greedy_reference
 
 # one of each model type, with the trait that sets it apart where the tiny models have a variant
 SERVED = ["llama-llama3", "mistral-window", "qwen2", "qwen3", "gemma2", "gemma3", "phi3-longrope"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from specd.detok import REPLACEMENT_CHAR, Delta, TextStream, first_stop, held_back
-from specd.models.tiny import char_tokenizer
+from specd.runtime.tiny import char_tokenizer
 from tests.services.common.test_detok import _bytes_to_unicode
 
 

@@ -21,7 +21,7 @@ from specd.drafters import (
 from specd.drafters.base import Drafter, DraftSession, DraftToken
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models.tiny import loaded
+from specd.runtime.tiny import loaded
 from specd.policies import POLICIES, AcceptanceHead
 from specd.state import MemoryStateStore
 from specd.types import SamplingParams, SpecParams
@@ -180,7 +180,7 @@ def test_eos_in_the_middle_of_a_window(tiny_target, hf_greedy):
 
 
 def test_stop_string_cuts_text_and_tokens(tiny_dirs):
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     target = load_model(str(tiny_dirs[0]), device="cpu")
     engine = SpeculativeEngine(target, NgramDrafter())

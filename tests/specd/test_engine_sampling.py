@@ -23,7 +23,7 @@ from scipy.stats import chisquare
 
 from specd.drafters import HfDrafter
 from specd.engine import SpeculativeEngine
-from specd.models.tiny import loaded, perturbed, tiny_llama
+from specd.runtime.tiny import loaded, perturbed, tiny_llama
 from specd.sampling import logits_to_probs
 from specd.types import SamplingParams, SpecParams
 

@@ -13,7 +13,7 @@ from specd.drafters import HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
 from specd.grammar import Grammar, GrammarSpec
-from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_llama
+from specd.runtime.tiny import char_tokenizer, loaded, perturbed, tiny_llama
 from specd.types import SamplingParams, SpecParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},

@@ -121,7 +121,7 @@ def test_mistral_histories_get_the_ids_their_templates_take():
 
 def test_the_mistral_grammars_start_with_the_control_tokens_id():
     from specd.grammar import Grammar
-    from specd.models.tiny import char_tokenizer
+    from specd.runtime.tiny import char_tokenizer
 
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})

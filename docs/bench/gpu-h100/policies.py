@@ -5,9 +5,9 @@ import sys, time, json
 sys.path.insert(0, ".")
 from pathlib import Path
 import torch
-from specd.models import embedded
+from specd.runtime import embedded
 embedded.gguf_path = lambda: Path("/tmp/m/smollm2.gguf")
-from specd.models import load_model
+from specd.runtime import load_model
 from specd.engine import SpeculativeEngine
 from specd.drafters import build_drafter
 from specd.types import SamplingParams, SpecParams

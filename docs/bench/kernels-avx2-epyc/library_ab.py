@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from specd.models import aot
-from specd.models.loading import load_model
-from specd.models.pool import pooled_extend
+from specd.runtime import aot
+from specd.runtime.loading import load_model
+from specd.runtime.pool import pooled_extend
 
 
 def main() -> None:

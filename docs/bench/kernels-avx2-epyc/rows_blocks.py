@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from specd.models import rows
+from specd.runtime import rows
 
 BEFORE = "a2014b1"  # the last commit with 4 rows per block and separate multiplies and adds
 COUNTS = (1, 2, 3, 4, 6, 8, 9, 12, 17)

@@ -5,7 +5,7 @@ cites for an AVX2-only CPU. out-16-lanes.txt: the few-row product with 16-float 
 now built there. Run from the repository root: python docs/bench/kernels-avx2-epyc/time_kernels.py"""
 import time
 
-from specd.models.loading import load_model
+from specd.runtime.loading import load_model
 
 for kernels in ("auto", "onednn", "torch"):
     model = load_model("embedded", linear_kernels=kernels)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels-avx2-epyc"))
 from rows_blocks import build
 
-from specd.models import rows
+from specd.runtime import rows
 
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
 # (sessions, query rows each, context): a step, windows of 4 and 9, 8 sessions' steps

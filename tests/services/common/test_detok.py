@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specd.detok import TextStream, first_stop, held_back
-from specd.models.tiny import char_tokenizer
+from specd.runtime.tiny import char_tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -374,7 +374,7 @@ def test_a_forced_tool_call_through_the_services_is_the_target_alones(service_lo
     from services.common.settings import TargetSettings
     from services.target.main import start as start_target
     from services.target.servicer import TargetServicer
-    from specd.models.tiny import char_tokenizer
+    from specd.runtime.tiny import char_tokenizer
     from specd.tools import call_grammar, parse_calls
     from tests.services.conftest import Service
     from tests.services.gateway.test_tools import ASK, HERMES, WEATHER
@@ -407,7 +407,7 @@ def test_mistral_calls_keep_their_control_token_through_the_services(service_loo
     from services.target.main import start as start_target
     from services.target.servicer import TargetServicer
     from specd.drafters import build_drafter
-    from specd.models.tiny import char_tokenizer, loaded, tiny_llama
+    from specd.runtime.tiny import char_tokenizer, loaded, tiny_llama
     from specd.tools import MISTRAL, call_grammar, parse_calls
     from tests.services.conftest import Service
     from tests.services.gateway.test_tools import ASK, MISTRAL as TEMPLATE, MISTRAL_TOKENS, WEATHER
@@ -509,7 +509,7 @@ def test_the_requests_tenant_reaches_the_targets_session(target_service, hf_draf
         await coord.connect()
         events = coord.generate(request)
         await anext(events)
-        tenants = [s.tenant for s in target_service.servicer.sessions]
+        tenants = [s.tenant for s in target_service.servicer.core.sessions]
         await events.aclose()
         await coord.close()
         return tenants
@@ -540,7 +540,7 @@ def test_prompt_longer_than_the_context(target_service, hf_draft_service):
 
 
 def test_a_draft_with_another_tokenizer_is_refused(service_loop, chat_pair, target_service):
-    from specd.models.tiny import char_tokenizer, loaded
+    from specd.runtime.tiny import char_tokenizer, loaded
 
     other = char_tokenizer()
     other.add_tokens(["<extra>"])  # one more token: another vocabulary, another fingerprint

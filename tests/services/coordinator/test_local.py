@@ -14,7 +14,7 @@ from services.coordinator.local import LocalBackend
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models import load_model
+from specd.runtime import load_model
 from specd.types import SamplingParams, SpecParams
 
 LONG_CHAT = ({"role": "user", "content": "Hello"},)  # the tiny target answers 300+ tokens without EOS

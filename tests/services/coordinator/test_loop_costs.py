@@ -19,8 +19,9 @@ SURFACE = (0.040, 0.043, 0.046, 0.049, 0.052, 0.055, 0.058, 0.060)  # B sessions
 
 
 def _loop(surface=SURFACE) -> RequestLoop:
-    cfg = LoopConfig([1, 2, 3], SamplingParams(max_new_tokens=64), SpecParams("cost-aware"), False, 67,
-                     frozenset(), 100, False, {}, 10.0, 10.0, "ngram", batch_seconds=surface)
+    cfg = LoopConfig(prompt=[1, 2, 3], sampling=SamplingParams(max_new_tokens=64), spec=SpecParams("cost-aware"),
+                     max_length=67, vocab_size=100, timeout_s=10.0, draft_stall_s=10.0, drafter="ngram",
+                     batch_seconds=surface)
     return RequestLoop(cfg, None, None)
 
 

@@ -27,7 +27,7 @@ from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_llama
+from specd.runtime.tiny import char_tokenizer, loaded, perturbed, tiny_llama
 from specd.sampling import logits_to_probs
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import draft_service

@@ -18,7 +18,7 @@ from services.coordinator.local import LocalBackend
 from services.gateway import create_app
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models import load_model
+from specd.runtime import load_model
 
 MAX_TOKENS_LIMIT = 1000  # above the tiny model's context (512): both limits are reachable
 

@@ -14,7 +14,7 @@ from services.coordinator.local import LocalBackend
 from services.gateway import create_app
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models.tiny import char_tokenizer, loaded, perturbed, tiny_llama
+from specd.runtime.tiny import char_tokenizer, loaded, perturbed, tiny_llama
 
 CHAT = "/v1/chat/completions"
 HERMES = (

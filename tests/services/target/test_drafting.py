@@ -18,7 +18,7 @@ from services.common.state import AsyncMemoryStateStore
 from services.coordinator.api import GenerateRequest
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
-from services.target import servicer as target_servicer
+from services.target import core as target_core
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.costs import CostCurve
@@ -57,7 +57,7 @@ def test_greedy_output_is_the_target_alone_with_no_draft_service(chat_pair, draf
     # can draft nothing (a fresh clone's make test: no draft in three prompts). Here drafting is
     # free and a window costs what one token does: it drafts on every machine, the same drafts.
     frozen = CostCurve(0.0, list(range(1, 17)), [1e-3] * 16, smoothing=0.0)
-    monkeypatch.setattr(target_servicer, "local_cost_curve", lambda *_: frozen)
+    monkeypatch.setattr(target_core, "local_cost_curve", lambda *_: frozen)
     drafted = accepted = 0
     for prompt in PROMPTS:
         sampling = SamplingParams(max_new_tokens=40)

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.cli import free_port
-from specd.models.tiny import char_tokenizer, perturbed, save_tiny, tiny_family
+from specd.runtime.tiny import char_tokenizer, perturbed, save_tiny, tiny_family
 from tests.services.common.test_drain import serve, status, wait
 
 pytestmark = pytest.mark.external  # real `specd serve` processes
@@ -68,10 +68,10 @@ def test_a_tensor_parallel_qwen2_target_serves_greedy_output_and_drains(qwen2_di
     import signal
 
     from services.coordinator.api import GenerateRequest
-    from specd.models import load_model
+    from specd.runtime import load_model
     from specd.types import SamplingParams, SpecParams
     from tests.services.coordinator.test_coordinator import generate
-    from tests.specd.models.test_families import greedy_reference
+    from tests.specd.runtime.test_families import greedy_reference
 
     target_dir, _ = qwen2_dirs
     port = free_port()

@@ -12,8 +12,8 @@ import torch
 
 from services.common.settings import TargetSettings
 from services.target.main import use_pool
-from specd.models.pool import KVPool
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime.pool import KVPool
+from specd.runtime.tiny import loaded, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

@@ -20,8 +20,9 @@ from services.common.settings import TargetSettings
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
-from services.target.servicer import MAX_WINDOW_TOKENS, TargetServicer
-from specd.models.tiny import char_tokenizer, loaded, tiny_llama
+from services.target.core import MAX_WINDOW_TOKENS
+from services.target.servicer import TargetServicer
+from specd.runtime.tiny import char_tokenizer, loaded, tiny_llama
 from specd.types import SamplingParams
 from tests.services.conftest import Service, eventually
 
@@ -111,7 +112,7 @@ def test_a_proper_distribution_is_verified(target_service):
 # -- the window's length ---------------------------------------------------------------------------
 
 def test_a_window_beyond_the_cap_is_refused_naming_the_setting(target_service):
-    cap = target_service.servicer.max_window_tokens
+    cap = target_service.servicer.core.config.max_window_tokens
     assert cap == MAX_WINDOW_TOKENS == TargetSettings().max_window_tokens
     details = refused(target_service.address, target_pb2.Verify(verify_id=1, tokens=[5] * (cap + 1)), "tokens",
                       SamplingParams())
@@ -152,7 +153,7 @@ def test_a_quiet_session_is_ended_and_its_slot_freed(idle_service):
                     await call.read()
                 assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "idle_timeout_s" in e.value.details()
-                await asyncio.to_thread(eventually, lambda: pool.in_use() == 0 and not idle_service.servicer.sessions)
+                await asyncio.to_thread(eventually, lambda: pool.in_use() == 0 and not idle_service.servicer.core.sessions)
             call = stub.Session(timeout=30)  # served: the slot is free
             await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(prompt_ids=PROMPT)))
             await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(verify_id=1)))
@@ -248,7 +249,7 @@ def test_speculation_on_a_padded_table_equals_the_target_alone(padded):
     from specd.drafters.hf import HfDrafter
     from specd.engine import SpeculativeEngine
     from specd.errors import InvalidRequest
-    from specd.models.tiny import perturbed
+    from specd.runtime.tiny import perturbed
     from specd.types import SpecParams
 
     _, target, n = padded

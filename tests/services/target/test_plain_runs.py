@@ -17,7 +17,8 @@ from services.common.settings import TargetSettings
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.main import start as start_target
-from services.target.servicer import MAX_PLAIN_STEPS, TargetServicer
+from services.target.core import MAX_PLAIN_STEPS
+from services.target.servicer import TargetServicer
 from specd.types import SamplingParams
 from tests.services.conftest import Service
 

@@ -187,7 +187,7 @@ def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service
             stub = target_pb2_grpc.TargetServiceStub(ch)
             held = [await _open(stub), await _open(stub, PROMPT[:5])]
             first = [await _verify(c, []) for c in held]
-            busy = servicer.executor.submit(time.sleep, 1.5)  # a long forward on the compute thread
+            busy = servicer.core.executor.submit(time.sleep, 1.5)  # a long forward on the compute thread
             await _close(held[0])
             assert not busy.done()
             replacement = await _open(stub)
@@ -215,7 +215,7 @@ def test_a_client_gone_during_a_plain_run_frees_its_slot(pooled_service):
             call.cancel()
 
     asyncio.run(run())
-    eventually(lambda: pool.in_use() == 0 and not servicer.sessions and not servicer.batcher.queue)
+    eventually(lambda: pool.in_use() == 0 and not servicer.core.sessions and not servicer.core.batcher.queue)
 
 
 def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled_service):
@@ -261,7 +261,7 @@ def test_a_session_beyond_the_latency_budget_is_refused_and_the_others_go_on(ser
     target = replace(chat_pair[0])
     target.use_pool(4, 128)
     servicer = TargetServicer(target, max_batch_size=2, latency_budget=1000.0)
-    assert servicer.admission.max_sessions == 2
+    assert servicer.core.admission.max_sessions == 2
     server, port = service_loop.run(start_target(TargetSettings(port=0), servicer))
     svc = Service(f"127.0.0.1:{port}", servicer, server, service_loop)
 
@@ -310,12 +310,12 @@ def test_a_session_is_refused_while_the_open_ones_are_over_their_time_per_token(
             one_token_s = servicer.costs.value("verify_seconds")[0]
             assert 0 < servicer.costs.value("token_time") < 1000.0 * one_token_s
             servicer.costs.seed("token_time", 2000.0 * one_token_s)  # as if badly overloaded ...
-            servicer.admission.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
+            servicer.core.admission.token_time_at = time.perf_counter() - 5.0  # ... long ago: too old to go by
             stale = await _open(stub)
             assert (await _verify(stale, [])).num_accepted == 0  # admitted
             await _close(stale)
             servicer.costs.seed("token_time", 2000.0 * one_token_s)  # overloaded now
-            servicer.admission.token_time_at = time.perf_counter()
+            servicer.core.admission.token_time_at = time.perf_counter()
             extra = await _open(stub)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await extra.read()

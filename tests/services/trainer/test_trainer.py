@@ -57,7 +57,7 @@ def test_trainer_settings_build_a_loop_for_the_drafter_the_draft_service_names(t
     from services.common.settings import TrainerSettings
     from services.trainer.main import build_loop
     from specd.drafters.early_exit import EarlyExitDrafter
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     s = TrainerSettings(target_model=str(tiny_dirs[0]), device="cpu", draft_layers=1, redis_url=redis_url)
     loop = build_loop(s)

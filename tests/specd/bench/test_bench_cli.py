@@ -228,7 +228,7 @@ def short_assistant(tmp_path) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from specd.models.tiny import save_tiny
+    from specd.runtime.tiny import save_tiny
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2,

@@ -10,7 +10,7 @@ import pytest
 from specd.bench import llama_cpp
 from specd.bench.configs import BenchSettings, build_configs
 from specd.bench.peers import BASELINES, skip_reason
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime.tiny import loaded, tiny_llama
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import torch
 
 from specd.bench.peers import PeerRunner, early_exit_assistant
 from specd.drafters import EarlyExitDrafter
-from specd.models.session import KVSession, hf_forward
+from specd.runtime.session import KVSession, hf_forward
 from specd.types import SamplingParams
 
 

@@ -8,8 +8,8 @@ import torch
 
 from specd.drafters import EarlyExitDrafter, NgramDrafter
 from specd.drafters.ngram import suffix_matches
-from specd.models.session import KVSession, hf_forward
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime.session import KVSession, hf_forward
+from specd.runtime.tiny import loaded, tiny_llama
 from specd.sampling import race_row
 from specd.types import SamplingParams
 
@@ -124,7 +124,7 @@ def test_early_exit_sessions_run_lean_and_draft_what_transformers_computes(tiny_
     the same logits and hidden states as transformers' forward, to the bit, over windows and
     rollbacks, with the `layer` adapter and a reduced draft vocabulary; and after the adapter
     layer is changed (training), the next session computes with the new weights."""
-    from specd.models.lean import FlatCache
+    from specd.runtime.lean import FlatCache
 
     drafter = EarlyExitDrafter(tiny_target, layers=2, adapter="layer")
     drafter.set_vocab(torch.arange(0, tiny_target.vocab_size, 3))

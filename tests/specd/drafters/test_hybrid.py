@@ -14,7 +14,7 @@ from specd.drafters import (
     build_drafter,
 )
 from specd.errors import InvalidRequest
-from specd.models.session import KVSession
+from specd.runtime.session import KVSession
 from specd.types import SamplingParams
 
 GREEDY = SamplingParams()

@@ -8,7 +8,7 @@ import pytest
 
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models import load_model
+from specd.runtime import load_model
 from specd.training.corpus import TEMPLATES, TOPICS, Corpus, answer_prompts, build_corpus, file_prompts
 from specd.types import SamplingParams, SpecParams
 

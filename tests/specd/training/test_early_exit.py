@@ -11,7 +11,7 @@ from specd.drafters import EarlyExitDrafter, FeatureDrafter
 from specd.drafters.early_exit import ResidualAdapter, read_adapter_meta
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest, ModelError
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime.tiny import loaded, tiny_llama
 from specd.training.corpus import Answered
 from specd.training.early_exit import choose_vocab, coverage, evaluate, train_early_exit
 from specd.types import SamplingParams, SpecParams

@@ -13,8 +13,8 @@ import torch
 from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models import load_model
-from specd.models.tiny import loaded, perturbed
+from specd.runtime import load_model
+from specd.runtime.tiny import loaded, perturbed
 from specd.policies.specdecpp import AcceptanceHead
 from specd.training.specdecpp import (acceptance_labels, auc, build_examples, draft_forward_fn,
                                       generate_targets, mix_tokens, train_head,

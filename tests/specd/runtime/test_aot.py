@@ -1,4 +1,4 @@
-"""Pooled forwards compiled ahead of time for the CPU (specd.models.aot): one library for every
+"""Pooled forwards compiled ahead of time for the CPU (specd.runtime.aot): one library for every
 shape, equal to the eager pool's forward (logits close, greedy identical) for decode steps,
 verification windows and batches of unequal rows (packed); compiled once, then loaded from the
 cache."""
@@ -17,10 +17,10 @@ from specd.costs import CostCurve, curve_key
 from specd.drafters import EarlyExitDrafter, HfDrafter, NgramDrafter
 from specd.engine import SpeculativeEngine
 from specd.errors import InvalidRequest
-from specd.models import rows
-from specd.models.aot import AotRunner, compile_supported
-from specd.models.pool import PoolRow, pooled_extend
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime import rows
+from specd.runtime.aot import AotRunner, compile_supported
+from specd.runtime.pool import PoolRow, pooled_extend
+from specd.runtime.tiny import loaded, tiny_llama
 from specd.types import SamplingParams, SpecParams
 
 pytestmark = pytest.mark.skipif(compile_supported() is not None, reason=f"{compile_supported()}")
@@ -40,8 +40,8 @@ def _tokens(n: int, seed: int) -> list[int]:
 PLAIN_LIBRARY = """
 import sys, torch
 from dataclasses import replace
-from specd.models import rows
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime import rows
+from specd.runtime.tiny import loaded, tiny_llama
 torch.set_num_threads(int(sys.argv[2]))
 model = replace(loaded(tiny_llama(0, layers=4), "tiny-target"), forward="lean")
 with rows.disabled():

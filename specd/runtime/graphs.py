@@ -4,7 +4,7 @@ width, key span), replayed with new inputs copied into its static tensors.
 A step of a small model on a GPU is bound by kernel launches, not arithmetic: the embedded
 135M model runs about fifteen kernels per layer, thirty layers, each launched from Python.
 A graph replays all of them with one launch. It needs every tensor of the forward at a fixed
-address and shape, which the KV pool (`specd.models.pool`) provides: its keys and values are
+address and shape, which the KV pool (`specd.runtime.pool`) provides: its keys and values are
 allocated once and written in place, and a forward's shape is fixed by (B, T, S).
 
 A forward is padded up to the smallest bucket that holds it (padded rows and columns write
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specd.models.pool import KVPool, PoolRow, unpack
+from specd.runtime.pool import KVPool, PoolRow, unpack
 
 log = logging.getLogger(__name__)
 

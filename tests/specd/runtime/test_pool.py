@@ -12,7 +12,7 @@ import torch
 
 from specd.costs import CostCurve
 from specd.errors import InvalidRequest, Overloaded
-from specd.models.graphs import (
+from specd.runtime.graphs import (
     BATCH_BUCKETS,
     PREFILL_WIDTHS,
     WIDTH_BUCKETS,
@@ -20,7 +20,7 @@ from specd.models.graphs import (
     buckets_up_to,
     pick_bucket,
 )
-from specd.models.pool import pooled_extend
+from specd.runtime.pool import pooled_extend
 from specd.tree import DraftTree
 from specd.types import SamplingParams, SpecParams
 
@@ -270,7 +270,7 @@ def test_the_engine_over_a_pool_decodes_as_over_growing_caches(lean, drafter, sp
 
 
 def test_the_automatic_pool_fits_a_share_of_free_memory(tiny_target):
-    from specd.models.loading import MIN_POOL_LEN, pool_length
+    from specd.runtime.loading import MIN_POOL_LEN, pool_length
 
     config = tiny_target.model.config  # 4 layers, 2 KV heads of 16: 1 KiB a position in float32
     per_token = 2 * 4 * 2 * 16 * 4

@@ -1,7 +1,7 @@
 """A float32 product for the few rows of a CPU decode step or verification window, reading each
-weight row once for all of them (specd/models/csrc/rows_linear.cpp).
+weight row once for all of them (specd/runtime/csrc/rows_linear.cpp).
 
-The compiled CPU forward (specd.models.aot) is bound by streaming the weights from memory. MKL's
+The compiled CPU forward (specd.runtime.aot) is bound by streaming the weights from memory. MKL's
 product reaches that bound for one row, but from 4 rows up it packs the weight again on every
 call, so a verification window cost far more than a decoding step (docs/engine.md, "The
 few-row product", has the measurements). This product reads a block of four weight rows once,
@@ -90,7 +90,7 @@ def load(cache_dir: Path | None = None) -> str | None:
     if "reason" in _state:
         return _state["reason"] or None
     if cache_dir is None:
-        from specd.models.embedded import default_cache_dir
+        from specd.runtime.embedded import default_cache_dir
 
         cache_dir = default_cache_dir()
     reason = None

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models import rows
-from specd.models.pool import KVPool, PoolRow, StepInputs, unpack
+from specd.runtime import rows
+from specd.runtime.pool import KVPool, PoolRow, StepInputs, unpack
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class _Step(torch.nn.Module):
 
 def _source_hash() -> str:
     """The code a library is compiled from: these modules' sources (an edit compiles anew)."""
-    from specd.models import kernels, lean, pool
+    from specd.runtime import kernels, lean, pool
 
     h = hashlib.sha256()
     for path in (kernels.__file__, lean.__file__, pool.__file__, rows.__file__, rows.SOURCE, __file__):

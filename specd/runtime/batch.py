@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from specd.models.session import KVSession
+from specd.runtime.session import KVSession
 
 
 @dataclass

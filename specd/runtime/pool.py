@@ -17,8 +17,8 @@ prefill chunk each) as one rectangular batch [B, T], right-padded:
   rollback) are never seen: they are overwritten before a later query could reach them.
 
 Nothing is copied per session and nothing grows: every tensor of a forward has a shape fixed by
-(B, T, S). That is what lets `specd.models.graphs` capture a forward per bucket of those three
-in a CUDA graph and replay it. The arithmetic is the lean forward's (`specd.models.lean`), in
+(B, T, S). That is what lets `specd.runtime.graphs` capture a forward per bucket of those three
+in a CUDA graph and replay it. The arithmetic is the lean forward's (`specd.runtime.lean`), in
 the same order; only the attention reads a padded key range, whose masked keys get exactly
 zero weight.
 """
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest, Overloaded
-from specd.models import rows as few_rows
-from specd.models.lean import LeanModel
+from specd.runtime import rows as few_rows
+from specd.runtime.lean import LeanModel
 
 # Windows up to this many query rows attend through batched matrix products rather than a fused
 # attention kernel, whose tiles are mostly idle for so few rows (docs/engine.md, "Static KV memory").
@@ -174,14 +174,14 @@ class KVPool:
         self._lock = threading.Lock()
         self.lengths = [0] * slots
         self.written = [0] * slots  # each slot's high-water mark: the positions whose pages are mapped
-        # what runs forwards that fit it: a specd.models.graphs.GraphRunner (CUDA graphs) or a
-        # specd.models.aot.AotRunner (compiled for the CPU); None: every forward eager
+        # what runs forwards that fit it: a specd.runtime.graphs.GraphRunner (CUDA graphs) or a
+        # specd.runtime.aot.AotRunner (compiled for the CPU); None: every forward eager
         self.runner = None
         self.layer = FusedLayer(lean)  # the fused path's layer
         self.compiled_layer = None  # self.layer through torch.compile (compile_layers)
         self._weights = None  # what the layer reads, per layer (_layer_weights)
-        self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.models.tp)
-        self.virtual = None  # a specd.models.virtual.VirtualDevice: each forward takes its profile's time
+        self.tp = None  # rank 0 of a tensor-parallel target: each forward is mirrored (specd.runtime.tp)
+        self.virtual = None  # a specd.runtime.virtual.VirtualDevice: each forward takes its profile's time
 
     # slots ---------------------------------------------------------------------------------
 
@@ -407,7 +407,7 @@ class KVPool:
         """The final-normed hidden states [B, T, H] of a padded forward; writes the pool. Every
         shape is fixed by x, and nothing here reads a tensor back to the host (capturable).
         ks, vs: each layer's keys and values, tables: the rotary cos and sin tables, per rotary
-        kind cos then sin (default the pool's own; a compiled forward takes them as inputs, specd.models.aot, so that their
+        kind cos then sin (default the pool's own; a compiled forward takes them as inputs, specd.runtime.aot, so that their
         lengths, the pool's, are not constants of its library).
 
         Rows of unequal length (x.packed) run packed: the projections and the MLP, nearly all of
@@ -564,7 +564,7 @@ class KVPool:
 
 
 def _linear(module: torch.nn.Module) -> torch.nn.Linear:
-    """The linear a row-parallel projection wraps (specd.models.tp.AllReduce), or the module."""
+    """The linear a row-parallel projection wraps (specd.runtime.tp.AllReduce), or the module."""
     return getattr(module, "linear", module)
 
 
@@ -704,7 +704,7 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class PoolSession:
-    """A KV session (specd.models.session.KVSession's surface) whose cache is a pool slot."""
+    """A KV session (specd.runtime.session.KVSession's surface) whose cache is a pool slot."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool

@@ -1,5 +1,5 @@
 """A lean forward for the decoder families specd serves (Llama 2/3, Mistral, Qwen2/2.5/3,
-Gemma 2/3, Phi-3; specd.models.arch says where they differ): the same arithmetic as
+Gemma 2/3, Phi-3; specd.runtime.arch says where they differ): the same arithmetic as
 transformers' forward of the model, without its per-call machinery.
 
 A one-token step of the embedded 135M model spends about a third of its time outside the
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
-from specd.models import rows
-from specd.models.arch import Arch, describe, unsupported
-from specd.models.kernels import PackedLinear, RowsLinear, onednn_available, single_row
+from specd.runtime import rows
+from specd.runtime.arch import Arch, describe, unsupported
+from specd.runtime.kernels import PackedLinear, RowsLinear, onednn_available, single_row
 
 FORWARDS = ("auto", "lean", "hf")
 _MIN_CAPACITY = 256
@@ -113,7 +113,7 @@ def check_forward(forward: str) -> None:
 
 def choose_forward(model: torch.nn.Module, forward: str, device: torch.device) -> str:
     """lean or hf. auto: lean for a supported float32 model on the CPU, where it computes
-    transformers' logits (bit for bit for Llama, tests/specd/models/test_lean.py) and is
+    transformers' logits (bit for bit for Llama, tests/specd/runtime/test_lean.py) and is
     faster; hf elsewhere until it has been measured there (a GPU; bfloat16, where the fused
     products round differently). A GPU's sessions run in the KV pool either way."""
     check_forward(forward)
@@ -128,7 +128,7 @@ def choose_forward(model: torch.nn.Module, forward: str, device: torch.device) -
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether the lean forward computes what this model's own forward computes
-    (specd.models.arch.unsupported names what it lacks)."""
+    (specd.runtime.arch.unsupported names what it lacks)."""
     return unsupported(model) is None
 
 
@@ -136,7 +136,7 @@ def _fused(layers: list[torch.nn.Linear]):
     """One product whose output is the given linears' outputs side by side. With the few-row
     product (RowsLinear) each linear's own weight is read, all of them in one pass of the
     operator (rows.linear_cat), as when the forward is traced for compilation
-    (specd.models.aot); where single rows run unpacked (PackedLinear._gemv), torch's products.
+    (specd.runtime.aot); where single rows run unpacked (PackedLinear._gemv), torch's products.
     With oneDNN kernels only the packed copy is kept (the lean forward runs in inference mode
     only)."""
     parts = [m.weight.detach() for m in layers]
@@ -209,7 +209,7 @@ def _bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
 
 
 class LeanModel:
-    """The lean forward of one transformers causal LM of a family specd.models.arch describes
+    """The lean forward of one transformers causal LM of a family specd.runtime.arch describes
     (reads its weights; copies q/k/v and gate/up once, concatenated). Call `forward` as a specd
     ForwardFn.
 
@@ -329,7 +329,7 @@ class LeanModel:
     def derived(self) -> dict[str, torch.Tensor]:
         """The tensors this forward reads that are not the model's own (concatenated biases,
         Gemma's norm scales 1 + w), by names stable across processes: what a compiled forward
-        (specd.models.aot) takes as constants beside the model's parameters."""
+        (specd.runtime.aot) takes as constants beside the model's parameters."""
         out = {}
         for i, layer in enumerate(self.layers):
             for name in ("qkv_bias", "gate_up_bias"):
@@ -385,7 +385,7 @@ class LeanModel:
         """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] under a bool mask
         (True: attend), [B, heads, T, D]. SDPA shares each KV head among its query heads
         (enable_gqa); where transformers repeats the KV heads instead the result is the same to
-        the bit (tests/specd/models/test_lean.py). Soft-capped scores (Gemma 2) go the way of
+        the bit (tests/specd/runtime/test_lean.py). Soft-capped scores (Gemma 2) go the way of
         transformers' eager attention, which SDPA cannot take."""
         cap = self.arch.attn_softcap
         if cap is None:

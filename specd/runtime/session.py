@@ -37,7 +37,7 @@ def hf_forward(model: torch.nn.Module) -> ForwardFn:
 class KVSession:
     def __init__(self, forward: ForwardFn, device: torch.device, cache=None):
         """cache: an empty cache for `forward` (default a DynamicCache; the lean forward's
-        FlatCache, specd/models/lean.py)."""
+        FlatCache, specd/runtime/lean.py)."""
         self._forward = forward
         self.device = device
         self.cache = cache if cache is not None else DynamicCache()

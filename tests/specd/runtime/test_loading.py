@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest, ModelError
-from specd.models import check_pair, load_model
-from specd.models.loading import resolve_device, resolve_dtype
-from specd.models.tiny import char_tokenizer, loaded, tiny_llama
+from specd.runtime import check_pair, load_model
+from specd.runtime.loading import resolve_device, resolve_dtype
+from specd.runtime.tiny import char_tokenizer, loaded, tiny_llama
 
 
 def test_local_directory_round_trip(tiny_dirs, tiny_target):

@@ -1,6 +1,6 @@
 // y = x W^T for a few rows of x (a decoding step or a verification window) on the CPU, float32,
 // and those rows' attention over the KV pool. Why, and how it is built and loaded:
-// specd/models/rows.py.
+// specd/runtime/rows.py.
 #include <torch/library.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/ATen.h>

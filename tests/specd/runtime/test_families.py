@@ -1,11 +1,11 @@
-"""Every decoder family the runtime serves (specd.models.arch), on tiny random checkpoints built
+"""Every decoder family the runtime serves (specd.runtime.arch), on tiny random checkpoints built
 from transformers' own config classes: the lean forward, the KV pool's exact (CPU) and fused
 (GPU) forwards and speculation in process compute what transformers computes for the model.
 
 Compared positions reach past each sliding window (24) and past each scaled rotary table's
 original context (32). Rotary scalings that depend on the sequence's length (dynamic, longrope)
 are compared with transformers decoding one token at a time, the rule the runtime applies at
-every position (specd.models.lean)."""
+every position (specd.runtime.lean)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
-from specd.models.arch import describe, unsupported
-from specd.models.lean import LeanModel
-from specd.models.pool import pooled_extend
-from specd.models.tiny import FAMILIES, loaded, perturbed, tiny_family
+from specd.runtime.arch import describe, unsupported
+from specd.runtime.lean import LeanModel
+from specd.runtime.pool import pooled_extend
+from specd.runtime.tiny import FAMILIES, loaded, perturbed, tiny_family
 from specd.tree import DraftTree
 from specd.types import SamplingParams, SpecParams
 
@@ -215,10 +215,10 @@ def test_fused_layers_through_torch_compile_equal_transformers():
 
 @pytest.mark.slow
 def test_a_compiled_cpu_forward_of_gemma2_with_biases_equals_transformers(tmp_path):
-    """The CPU's ahead-of-time compiled forward (specd.models.aot) of the family furthest from
+    """The CPU's ahead-of-time compiled forward (specd.runtime.aot) of the family furthest from
     Llama, with attention biases too: what it reads beside the model's weights (concatenated
     biases, Gemma's norm scales) are constants it names, and its logits are transformers'."""
-    from specd.models.aot import AotRunner, compile_supported
+    from specd.runtime.aot import AotRunner, compile_supported
 
     if compile_supported() is not None:
         pytest.skip(compile_supported())

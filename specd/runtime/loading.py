@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from specd.errors import InvalidRequest, ModelError
-from specd.models.aot import check_cpu_compile, use_compiled
-from specd.models.embedded import EMBEDDED_NAME, default_cache_dir, embedded_dir
-from specd.models.kernels import GEMV_MIN_WEIGHTS, check_kernels, use_kernels
-from specd.models.arch import unsupported
-from specd.models.lean import LeanModel, check_forward, choose_forward, supports
-from specd.models.pool import KVPool, PoolSession
-from specd.models.session import KVSession, hf_forward
+from specd.runtime.aot import check_cpu_compile, use_compiled
+from specd.runtime.embedded import EMBEDDED_NAME, default_cache_dir, embedded_dir
+from specd.runtime.kernels import GEMV_MIN_WEIGHTS, check_kernels, use_kernels
+from specd.runtime.arch import unsupported
+from specd.runtime.lean import LeanModel, check_forward, choose_forward, supports
+from specd.runtime.pool import KVPool, PoolSession
+from specd.runtime.session import KVSession, hf_forward
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class LoadedModel:
     device: torch.device
     max_context: int
     eos_token_ids: frozenset[int]
-    forward: str = "auto"  # auto | lean | hf: how KV sessions run the model (specd/models/lean.py)
+    forward: str = "auto"  # auto | lean | hf: how KV sessions run the model (specd/runtime/lean.py)
     _lean: LeanModel | None = field(default=None, init=False, repr=False)
     pool: KVPool | None = field(default=None, init=False, repr=False)  # static KV slots, once enabled
 
@@ -73,11 +73,11 @@ class LoadedModel:
         """From now on open sessions in a preallocated KV pool of `slots` sessions of at most
         `max_len` positions (default the model's context), with forwards captured in CUDA
         graphs when `graphs` (a CUDA model only; `compiled` on: each layer through
-        torch.compile, specd.models.graphs), or compiled ahead of time for the CPU when
-        `compiled` is on (auto: where the model is large enough to gain, specd.models.aot).
+        torch.compile, specd.runtime.graphs), or compiled ahead of time for the CPU when
+        `compiled` is on (auto: where the model is large enough to gain, specd.runtime.aot).
         memory_fraction: the share of free device memory (of available RAM on the CPU) the pool
         may take; fewer slots where `slots` would not fit (as vLLM's gpu_memory_utilization).
-        Needs a model the lean forward supports (specd.models.arch)."""
+        Needs a model the lean forward supports (specd.runtime.arch)."""
         reason = unsupported(self.model)
         if reason is not None:
             raise InvalidRequest("kv_slots", f"a KV pool cannot run this model: {reason}")
@@ -94,7 +94,7 @@ class LoadedModel:
         self.pool = KVPool(self._lean, slots, length)
         self.max_context = self.pool.max_len  # what a session can hold now: prompts and windows are checked on it
         if graphs:
-            from specd.models.graphs import GraphRunner
+            from specd.runtime.graphs import GraphRunner
 
             GraphRunner(self.pool, compiled=compiled == "on")
         elif compiled == "on" or (compiled == "auto" and compile_pays(self.model, self.device)):
@@ -240,17 +240,17 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     """spec: "embedded" (SmolLM2-135M-Instruct) or the path of a local transformers directory.
     device "shard" splits the layers over every visible GPU with accelerate's
     device_map="auto" (pipeline placement in one process: a model too big for one GPU).
-    linear_kernels: auto | rows | onednn | torch (specd/models/kernels.py; auto runs specd's
+    linear_kernels: auto | rows | onednn | torch (specd/runtime/kernels.py; auto runs specd's
     few-row product on a float32 CPU model where it builds, else oneDNN with packed weights).
-    forward: auto | lean | hf (specd/models/lean.py; auto runs the lean forward on the
+    forward: auto | lean | hf (specd/runtime/lean.py; auto runs the lean forward on the
     CPU for every family it serves). cuda_graphs: auto | on | off | compiled (auto: on a CUDA device, for a model the lean
     forward supports, sessions open in a KV pool whose forwards are captured in CUDA graphs on
-    first use, specd/models/graphs.py; compiled: graphs of layers compiled by torch.compile).
-    tensor_parallel: this process's specd.models.tp.TensorParallel (its share of every layer,
+    first use, specd/runtime/graphs.py; compiled: graphs of layers compiled by torch.compile).
+    tensor_parallel: this process's specd.runtime.tp.TensorParallel (its share of every layer,
     on its own GPU).
     cpu_compile: auto | on | off (auto: a float32 model the lean forward supports, on the CPU,
     of at least GEMV_MIN_WEIGHTS weights, opens sessions in a KV pool whose forwards are
-    compiled ahead of time, specd/models/aot.py; the first load compiles, later ones load)."""
+    compiled ahead of time, specd/runtime/aot.py; the first load compiles, later ones load)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -286,7 +286,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
     if tensor_parallel is not None:
-        from specd.models.tp import shard
+        from specd.runtime.tp import shard
 
         if not supports(model):
             raise InvalidRequest("tensor_parallel", f"tensor parallelism cannot run this model: {unsupported(model)}")

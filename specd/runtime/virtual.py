@@ -20,7 +20,7 @@ put the recorded next token first, by far; elsewhere (a context no answer had: a
 draft, or another prompt) the tiny model's own row stands. The recording is the embedded
 target's greedy answers (`scripts/draft_cost.py --answers FILE`, which prices the same answers'
 rounds on a cost curve: the replay's prediction), and the tiny model must share its tokenizer
-(`specd.models.tiny.save_tiny(..., tokenizer=...)`). Draft-tree rows are not replayed.
+(`specd.runtime.tiny.save_tiny(..., tokenizer=...)`). Draft-tree rows are not replayed.
 
 What it cannot model: the host's own speed (the host here is this machine's), a kernel's launch
 cost or a copy's, and memory: it slows forwards down to the device, never speeds them up, so a

@@ -1,4 +1,4 @@
-"""Linear kernels (specd/models/kernels.py): specd's few-row product, and oneDNN with weights
+"""Linear kernels (specd/runtime/kernels.py): specd's few-row product, and oneDNN with weights
 packed at load time."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models import load_model, rows
-from specd.models.kernels import PackedLinear, RowsLinear, kernels_of, onednn_available, use_kernels
+from specd.runtime import load_model, rows
+from specd.runtime.kernels import PackedLinear, RowsLinear, kernels_of, onednn_available, use_kernels
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
 
@@ -140,7 +140,7 @@ def test_single_rows_run_unpacked_where_measured_faster_and_windows_stay_packed(
     more through the packed kernel; `auto` leaves a model this small packed for every row."""
     import torch.nn.functional as F
 
-    from specd.models.kernels import PackedLinear, kernels_of, pack_linear, single_rows_faster_unpacked
+    from specd.runtime.kernels import PackedLinear, kernels_of, pack_linear, single_rows_faster_unpacked
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48, bias=False)

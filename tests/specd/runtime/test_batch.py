@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from specd.models import batch as batch_mod
-from specd.models.batch import batched_extend, batched_extend_hidden, build_batch, forward_batch
+from specd.runtime import batch as batch_mod
+from specd.runtime.batch import batched_extend, batched_extend_hidden, build_batch, forward_batch
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 

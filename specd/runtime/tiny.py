@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specd.models.kernels import use_kernels
-from specd.models.loading import LoadedModel, _max_context
+from specd.runtime.kernels import use_kernels
+from specd.runtime.loading import LoadedModel, _max_context
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
@@ -78,7 +78,7 @@ def char_tokenizer():
 
 def save_tiny(path: str | Path, seed: int = 0, model: torch.nn.Module | None = None, tokenizer=None,
               **config) -> Path:
-    """Write a tiny model + tokenizer directory loadable by specd.models.load_model (tokenizer:
+    """Write a tiny model + tokenizer directory loadable by specd.runtime.load_model (tokenizer:
     the character-level one unless given; a given one sets the vocabulary's size)."""
     path = Path(path)
     if tokenizer is not None and model is None:
@@ -89,7 +89,7 @@ def save_tiny(path: str | Path, seed: int = 0, model: torch.nn.Module | None = N
     return path
 
 
-# Tiny random checkpoints of every family the runtime serves (specd.models.arch), built from
+# Tiny random checkpoints of every family the runtime serves (specd.runtime.arch), built from
 # transformers' own config classes: each with the traits that set the family apart, small
 # windows and short original contexts so that a test reaches past them.
 _SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""The few-row CPU product (specd.models.rows): equal to torch's within float32 rounding for any
+"""The few-row CPU product (specd.runtime.rows): equal to torch's within float32 rounding for any
 row count and shape, and a row's result independent of the rows that came with it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.models import rows
+from specd.runtime import rows
 
 # Sizes that exercise every path: whole vector blocks and a tail (K), whole four-output blocks
 # and a partial one (N), row groups of 4, 2 and 1, and the tiled fallback beyond 48 rows.

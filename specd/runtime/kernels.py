@@ -4,7 +4,7 @@ PyTorch's default CPU linear (MKL sgemm) is slow exactly where speculative decod
 runs 2-3 rows as repeated matrix-vector products and packs the weight again on every call
 above that, so a verification window costs far more than a decoding step.
 
-`rows` (specd.models.rows) reads each weight row once for all of a forward's rows, so a window
+`rows` (specd.runtime.rows) reads each weight row once for all of a forward's rows, so a window
 of a few rows costs about what one row does, and one row streams the weight as fast as MKL's
 matrix-vector product; it needs nothing but the weight itself. `auto` runs it on float32 CPU
 models wherever it builds (a C++ compiler; built once per machine), else `onednn`.
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
-from specd.models import rows
+from specd.runtime import rows
 
 KERNELS = ("auto", "rows", "onednn", "torch")
 
@@ -64,7 +64,7 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dtype != torch.float32
-                or x.device.type != "cpu"):  # traced for compilation (specd.models.aot): the plain product
+                or x.device.type != "cpu"):  # traced for compilation (specd.runtime.aot): the plain product
             if torch.compiler.is_compiling() and self.bias is None:
                 return rows.linear(x, self.weight)
             return F.linear(x, self.weight, self.bias)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from specd.engine import SpeculativeEngine
-from specd.models import load_model
-from specd.models.arch import unsupported
-from specd.models.embedded import embedded_dir
+from specd.runtime import load_model
+from specd.runtime.arch import unsupported
+from specd.runtime.embedded import embedded_dir
 from specd.types import SamplingParams, SpecParams
 from tests.relayout import relayout
 

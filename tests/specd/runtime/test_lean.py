@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models.lean import FlatCache, LeanModel, choose_forward, supports
-from specd.models.session import KVSession, hf_forward
-from specd.models.tiny import loaded, tiny_llama
+from specd.runtime.lean import FlatCache, LeanModel, choose_forward, supports
+from specd.runtime.session import KVSession, hf_forward
+from specd.runtime.tiny import loaded, tiny_llama
 from specd.tree import DraftTree
 
 
@@ -126,7 +126,7 @@ def test_lean_refuses_a_model_it_does_not_compute_exactly():
 
 
 def test_load_model_names_a_bad_forward_before_loading(tmp_path):
-    from specd.models import load_model
+    from specd.runtime import load_model
 
     with pytest.raises(InvalidRequest, match="forward"):
         load_model(str(tmp_path), forward="quick")

@@ -15,7 +15,7 @@ and a gated MLP. They differ in:
   layers), a key visible to a query within `window` positions of it (transformers' rule);
 - rotary tables: one per layer type (Gemma 3's local layers have a base of their own), of the
   whole head or a part of it (`partial_rotary_factor`), with any scaling transformers' rotary
-  module applies (linear, dynamic, yarn, llama3, longrope; `specd.models.lean`).
+  module applies (linear, dynamic, yarn, llama3, longrope; `specd.runtime.lean`).
 
 `unsupported(model)` names what a model has that the runtime cannot compute exactly; a model it
 returns None for runs on the lean forward, the KV pool, the graphs and tensor parallelism.

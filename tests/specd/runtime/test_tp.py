@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from specd.models.pool import pooled_extend
-from specd.models.tiny import char_tokenizer, loaded, tiny_llama
+from specd.runtime.pool import pooled_extend
+from specd.runtime.tiny import char_tokenizer, loaded, tiny_llama
 from specd.tree import DraftTree
 
 pytestmark = pytest.mark.external  # starts two worker processes
@@ -92,7 +92,7 @@ def through_the_services(target, reference) -> None:
 def rank_main(rank: int, port: int) -> None:
     import os
 
-    from specd.models.tp import TensorParallel, follow, shard, stop_followers
+    from specd.runtime.tp import TensorParallel, follow, shard, stop_followers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -142,7 +142,7 @@ def test_two_ranks_compute_the_unsharded_model_and_serve_it():
 
 def test_heads_that_do_not_split_are_refused_naming_the_setting():
     from specd.errors import InvalidRequest
-    from specd.models.tp import TensorParallel, shard
+    from specd.runtime.tp import TensorParallel, shard
 
     with pytest.raises(InvalidRequest) as e:
         shard(tiny_llama(0), TensorParallel(0, 3))
@@ -156,8 +156,8 @@ def family_rank_main(rank: int, port: int) -> None:
     """Every family's sharded pool, exact and fused, against its unsharded pool (the script above)."""
     import os
 
-    from specd.models.tiny import tiny_family
-    from specd.models.tp import TensorParallel, follow, shard, stop_followers
+    from specd.runtime.tiny import tiny_family
+    from specd.runtime.tp import TensorParallel, follow, shard, stop_followers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The virtual device (specd.models.virtual): a pooled forward returns no sooner than its
+"""The virtual device (specd.runtime.virtual): a pooled forward returns no sooner than its
 profile's time for its shape, sleeping (not spinning) while it waits; profiles are read from
 bench-load's results and priced by shape; a target without a KV pool refuses one."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specd.errors import InvalidRequest
-from specd.models.pool import pooled_extend
-from specd.models.virtual import WINDOW_TOKENS, DeviceProfile, Replay, VirtualDevice
+from specd.runtime.pool import pooled_extend
+from specd.runtime.virtual import WINDOW_TOKENS, DeviceProfile, Replay, VirtualDevice
 
 COSTS = {"batch_s": [0.04, 0.05, 0.06], "batch_token_s": [0.002, 0.003, 0.004], "verify_s": [0.04, 0.05, 0.09]}
 
