@@ -511,8 +511,9 @@ async def target_costs(address: str) -> dict:
 
     async with channel(address) as ch:
         info = await target_pb2_grpc.TargetServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=10)
-    return {"verify_s": list(info.verify_seconds), "batch_s": list(info.batch_seconds),
-            "batch_token_s": list(info.batch_token_seconds)}
+    c = info.costs
+    return {"verify_s": list(c.verify_seconds), "batch_s": list(c.batch_seconds),
+            "batch_token_s": list(c.batch_token_seconds)}
 
 
 def _surface_line(costs: dict) -> str:

@@ -116,9 +116,9 @@ class Coordinator:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "target") from None
         self.tokenizer = _load_tokenizer(dict(files.files))
-        self.costs.seed("verify_seconds", list(info.verify_seconds))
-        self.costs.seed("batch_seconds", list(info.batch_seconds))
-        self.costs.seed("batch_token_seconds", list(info.batch_token_seconds))
+        self.costs.seed("verify_seconds", list(info.costs.verify_seconds))
+        self.costs.seed("batch_seconds", list(info.costs.batch_seconds))
+        self.costs.seed("batch_token_seconds", list(info.costs.batch_token_seconds))
         self.plain_runs = info.plain_runs
         self.target_drafter = info.drafter if info.drafter and info.plain_runs else None
         self.drafter_name = self.drafter_name or self.target_drafter

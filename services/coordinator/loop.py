@@ -38,6 +38,7 @@ import grpc
 
 from services.common.convert import sampling_to_proto
 from services.common.grpc_errors import client_message, from_rpc_error, status_error
+from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
@@ -256,9 +257,10 @@ class RequestLoop:
             prompt_ids=cfg.prompt, sampling=sampling_to_proto(cfg.sampling), policy=spec.policy,
             policy_params=spec.policy_params, policy_state=cfg.policy_state, max_length=cfg.max_length,
             lookahead=2 if cfg.overlap else 1, send_distributions=cfg.send_distributions,
-            vocab_size=cfg.vocab_size, verify_seconds=cfg.verify_seconds,
-            round_overhead_seconds=cfg.round_overhead_s, batch_seconds=cfg.batch_seconds,
-            batch_token_seconds=cfg.batch_token_seconds)
+            vocab_size=cfg.vocab_size,
+            costs=common_pb2.Costs(verify_seconds=cfg.verify_seconds, batch_seconds=cfg.batch_seconds,
+                                   batch_token_seconds=cfg.batch_token_seconds,
+                                   round_overhead_seconds=cfg.round_overhead_s))
         if spec.max_draft_tokens is not None:
             open_msg.max_draft_tokens = spec.max_draft_tokens
         if spec.branches is not None:

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from services.common.convert import (
     distribution_to_proto,
     features_from_proto,
     sampling_from_proto,
     top_logprobs_from_proto,
 )
+from services.draft.core import DraftOpen, TargetCosts
 from services.draft.runner import Ack, Commit, Token, WindowEnd
 from services.proto.specd.draft.v1 import draft_pb2
-from specd.costs import CostCurve
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, check_spec
-from specd.types import SamplingParams, SpecParams
+from specd.types import SpecParams
 
 REASONS = {
     "policy": draft_pb2.STOP_REASON_POLICY,
@@ -23,21 +21,6 @@ REASONS = {
     "no_proposal": draft_pb2.STOP_REASON_NO_PROPOSAL,
     "length": draft_pb2.STOP_REASON_LENGTH,
 }
-
-
-@dataclass(frozen=True)
-class DraftOpen:
-    """A checked OpenDraft: what a drafting session needs to start."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    spec: SpecParams
-    state: dict
-    max_length: int
-    lookahead: int  # 1: sequential, 2: PEARL
-    send_distributions: bool
-    vocab_size: int | None  # the target's, when the coordinator says
-    branches: int | None = None  # side branches per window (draft trees); None: the service's default
 
 
 def open_from_proto(msg: draft_pb2.OpenDraft) -> DraftOpen:
@@ -53,20 +36,12 @@ def open_from_proto(msg: draft_pb2.OpenDraft) -> DraftOpen:
     check_spec(spec, sampling)
     if msg.lookahead not in (1, 2):
         raise InvalidRequest("lookahead", f"must be 1 (sequential) or 2 (PEARL), got {msg.lookahead}")
+    c = msg.costs
+    costs = TargetCosts(verify_seconds=list(c.verify_seconds), batch_seconds=list(c.batch_seconds),
+                        batch_token_seconds=list(c.batch_token_seconds), round_overhead_seconds=c.round_overhead_seconds)
     return DraftOpen(list(msg.prompt_ids), sampling, spec, dict(msg.policy_state), msg.max_length, msg.lookahead,
-                     msg.send_distributions, msg.vocab_size or None, msg.branches if msg.HasField("branches") else None)
-
-
-def costs_from_proto(msg: draft_pb2.OpenDraft, t_draft: float) -> CostCurve:
-    """A session's cost curve: the target's, as the coordinator sent it, with the draft's t_draft."""
-    if not msg.verify_seconds:
-        raise InvalidRequest("verify_seconds", "the cost-aware policy needs the target's cost curve; "
-                                               "the coordinator sent none (is the target service older?)")
-    ts = list(msg.verify_seconds)
-    if len(msg.batch_token_seconds) != len(msg.batch_seconds):
-        raise InvalidRequest("batch_token_seconds", "needs one value per element of batch_seconds")
-    return CostCurve(t_draft, list(range(1, len(ts) + 1)), ts, overhead=msg.round_overhead_seconds,
-                     batch_seconds=list(msg.batch_seconds), batch_token_seconds=list(msg.batch_token_seconds))
+                     msg.send_distributions, msg.vocab_size or None, msg.branches if msg.HasField("branches") else None,
+                     costs)
 
 
 def commit_from_proto(msg: draft_pb2.Commit) -> Commit:

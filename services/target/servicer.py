@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.convert import model_info
+from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target.convert import closed_to_proto, open_from_proto, reply_to_proto, window_from_proto
 from services.target.core import TargetConfig, TargetCore
@@ -38,10 +39,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request, context) -> target_pb2.TargetInfo:
         c, drafter = self.costs, self.core.drafter
+        costs = common_pb2.Costs(verify_seconds=c.value("verify_seconds"), batch_seconds=c.value("batch_seconds"),
+                                 batch_token_seconds=c.value("batch_token_seconds"))
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.core.config.max_batch_size,
-                                     verify_seconds=c.value("verify_seconds"), batch_seconds=c.value("batch_seconds"),
-                                     batch_token_seconds=c.value("batch_token_seconds"), plain_runs=True,
-                                     drafter=drafter.name if drafter else "", drafter_kind=drafter.kind if drafter else "")
+                                     costs=costs, plain_runs=True, drafter=drafter.name if drafter else "",
+                                     drafter_kind=drafter.kind if drafter else "")
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
         return target_pb2.TokenizerFiles(files=self.core.tokenizer_files())

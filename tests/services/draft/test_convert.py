@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.draft.convert import costs_from_proto, open_from_proto
+from services.draft.convert import open_from_proto
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.draft.v1 import draft_pb2
 from specd.errors import InvalidRequest
@@ -38,13 +38,15 @@ def test_an_open_it_cannot_take_names_the_field(kw, field):
 
 
 def test_the_cost_curve_comes_from_the_targets_numbers():
-    msg = open_msg(policy="cost-aware", verify_seconds=[0.03, 0.035, 0.04], round_overhead_seconds=0.001,
-                   batch_seconds=[0.03, 0.032], batch_token_seconds=[0.002, 0.002])
-    curve = costs_from_proto(msg, 0.005)
+    msg = open_msg(policy="cost-aware", costs=common_pb2.Costs(verify_seconds=[0.03, 0.035, 0.04],
+                                                               round_overhead_seconds=0.001, batch_seconds=[0.03, 0.032],
+                                                               batch_token_seconds=[0.002, 0.002]))
+    curve = open_from_proto(msg).costs.curve(0.005)
     assert (curve.t_draft, curve.ks, curve.overhead) == (0.005, [1, 2, 3], 0.001)
     assert curve.round_time(1) == pytest.approx(0.005 + 0.035 + 0.001)
     with pytest.raises(InvalidRequest, match="cost curve"):
-        costs_from_proto(open_msg(policy="cost-aware"), 0.005)
+        open_from_proto(open_msg(policy="cost-aware")).costs.curve(0.005)
     with pytest.raises(InvalidRequest) as e:
-        costs_from_proto(open_msg(verify_seconds=[0.03], batch_seconds=[0.03, 0.04], batch_token_seconds=[0.1]), 0.005)
-    assert e.value.field == "batch_token_seconds"
+        open_from_proto(open_msg(costs=common_pb2.Costs(verify_seconds=[0.03], batch_seconds=[0.03, 0.04],
+                                                        batch_token_seconds=[0.1]))).costs.curve(0.005)
+    assert e.value.field == "costs.batch_token_seconds"

@@ -238,8 +238,8 @@ def test_info_has_the_batched_cost_surface_and_verdicts_the_forwards_load(pooled
     assert registry.get_sample_value("specd_target_forward_tokens_sum", labels) == tokens + 5
     assert registry.get_sample_value("specd_verify_queue_seconds_count", labels) >= 2
     # Two KV slots: the surface is measured for forwards of one and of two sessions.
-    assert len(info.batch_seconds) == len(info.batch_token_seconds) == 2
-    assert all(t > 0 for t in info.batch_seconds) and all(t >= 0 for t in info.batch_token_seconds)
+    assert len(info.costs.batch_seconds) == len(info.costs.batch_token_seconds) == 2
+    assert all(t > 0 for t in info.costs.batch_seconds) and all(t >= 0 for t in info.costs.batch_token_seconds)
     assert (plain.batch_size, plain.batch_tokens) == (1, 1)  # the pending token alone
     assert (window.batch_size, window.batch_tokens) == (1, 4)  # the pending token and three drafts
 

@@ -98,3 +98,15 @@ class ModelInfo(_message.Message):
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Costs(_message.Message):
+    __slots__ = ("verify_seconds", "batch_seconds", "batch_token_seconds", "round_overhead_seconds")
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    verify_seconds: _containers.RepeatedScalarFieldContainer[float]
+    batch_seconds: _containers.RepeatedScalarFieldContainer[float]
+    batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
+    round_overhead_seconds: float
+    def __init__(self, verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ...) -> None: ...

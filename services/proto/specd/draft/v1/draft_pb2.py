@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.specd.common.v1 import common_pb2 as specd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/draft/v1/draft.proto\x12\x0especd.draft.v1\x1a\x1cspecd/common/v1/common.proto\"\xee\x01\n\tDraftInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x10has_distribution\x18\x04 \x01(\x08\x12\x10\n\x08policies\x18\x05 \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x07 \x01(\r\x12\x16\n\x0eneeds_features\x18\x08 \x01(\x08\x12\x10\n\x08\x62ranches\x18\t \x01(\x05\x12\x15\n\rbranch_length\x18\n \x01(\x05\"\x98\x01\n\x0c\x44raftRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specd.draft.v1.OpenDraftH\x00\x12(\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.specd.draft.v1.CommitH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specd.draft.v1.CloseDraftH\x00\x42\x06\n\x04kind\"\xe6\x04\n\tOpenDraft\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x42\n\rpolicy_params\x18\x04 \x03(\x0b\x32+.specd.draft.v1.OpenDraft.PolicyParamsEntry\x12\x1d\n\x10max_draft_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12@\n\x0cpolicy_state\x18\x06 \x03(\x0b\x32*.specd.draft.v1.OpenDraft.PolicyStateEntry\x12\x12\n\nmax_length\x18\x07 \x01(\x05\x12\x11\n\tlookahead\x18\x08 \x01(\x05\x12\x1a\n\x12send_distributions\x18\t \x01(\x08\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x16\n\x0everify_seconds\x18\x0b \x03(\x01\x12\x1e\n\x16round_overhead_seconds\x18\x0c \x01(\x01\x12\x15\n\rbatch_seconds\x18\r \x03(\x01\x12\x1b\n\x13\x62\x61tch_token_seconds\x18\x0e \x03(\x01\x12\x15\n\x08\x62ranches\x18\x0f \x01(\x05H\x01\x88\x01\x01\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokensB\x0b\n\t_branches\"\x8e\x02\n\x06\x43ommit\x12\x11\n\tcommit_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x16\n\x0eother_sessions\x18\x08 \x01(\x05\x12\x14\n\x0cother_tokens\x18\t \x01(\x05\x12\x12\n\nside_nodes\x18\n \x01(\x05\"\x0c\n\nCloseDraft\"\xce\x01\n\rDraftResponse\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1a.specd.draft.v1.DraftTokenH\x00\x12/\n\nwindow_end\x18\x02 \x01(\x0b\x32\x19.specd.draft.v1.WindowEndH\x00\x12(\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x19.specd.draft.v1.CommitAckH\x00\x12-\n\x06\x63losed\x18\x04 \x01(\x0b\x32\x1b.specd.draft.v1.DraftClosedH\x00\x42\x06\n\x04kind\"\x85\x01\n\nDraftToken\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x05\x12\x0c\n\x04prob\x18\x04 \x01(\x02\x12\x0f\n\x07\x65ntropy\x18\x05 \x01(\x02\x12(\n\x01q\x18\x06 \x01(\x0b\x32\x1d.specd.common.v1.Distribution\"\xd9\x01\n\tWindowEnd\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12*\n\x06reason\x18\x04 \x01(\x0e\x32\x1a.specd.draft.v1.StopReason\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cplain_rounds\x18\x06 \x01(\r\x12\x13\n\x0bside_tokens\x18\x07 \x03(\x05\x12\x14\n\x0cside_parents\x18\x08 \x03(\x05\x42\x14\n\x12_relaxed_threshold\"-\n\tCommitAck\x12\x11\n\tcommit_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\"\xb1\x01\n\x0b\x44raftClosed\x12\x42\n\x0cpolicy_state\x18\x01 \x03(\x0b\x32,.specd.draft.v1.DraftClosed.PolicyStateEntry\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x8b\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_POLICY\x10\x01\x12\x13\n\x0fSTOP_REASON_CAP\x10\x02\x12\x1b\n\x17STOP_REASON_NO_PROPOSAL\x10\x03\x12\x16\n\x12STOP_REASON_LENGTH\x10\x04\x32\x9b\x01\n\x0c\x44raftService\x12?\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x19.specd.draft.v1.DraftInfo\x12J\n\x07Session\x12\x1c.specd.draft.v1.DraftRequest\x1a\x1d.specd.draft.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/draft/v1/draft.proto\x12\x0especd.draft.v1\x1a\x1cspecd/common/v1/common.proto\"\xee\x01\n\tDraftInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x10has_distribution\x18\x04 \x01(\x08\x12\x10\n\x08policies\x18\x05 \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x07 \x01(\r\x12\x16\n\x0eneeds_features\x18\x08 \x01(\x08\x12\x10\n\x08\x62ranches\x18\t \x01(\x05\x12\x15\n\rbranch_length\x18\n \x01(\x05\"\x98\x01\n\x0c\x44raftRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specd.draft.v1.OpenDraftH\x00\x12(\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.specd.draft.v1.CommitH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specd.draft.v1.CloseDraftH\x00\x42\x06\n\x04kind\"\xb9\x04\n\tOpenDraft\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x42\n\rpolicy_params\x18\x04 \x03(\x0b\x32+.specd.draft.v1.OpenDraft.PolicyParamsEntry\x12\x1d\n\x10max_draft_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12@\n\x0cpolicy_state\x18\x06 \x03(\x0b\x32*.specd.draft.v1.OpenDraft.PolicyStateEntry\x12\x12\n\nmax_length\x18\x07 \x01(\x05\x12\x11\n\tlookahead\x18\x08 \x01(\x05\x12\x1a\n\x12send_distributions\x18\t \x01(\x08\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12%\n\x05\x63osts\x18\x10 \x01(\x0b\x32\x16.specd.common.v1.Costs\x12\x15\n\x08\x62ranches\x18\x0f \x01(\x05H\x01\x88\x01\x01\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokensB\x0b\n\t_branchesJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0eJ\x04\x08\x0e\x10\x0f\"\x8e\x02\n\x06\x43ommit\x12\x11\n\tcommit_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x16\n\x0eother_sessions\x18\x08 \x01(\x05\x12\x14\n\x0cother_tokens\x18\t \x01(\x05\x12\x12\n\nside_nodes\x18\n \x01(\x05\"\x0c\n\nCloseDraft\"\xce\x01\n\rDraftResponse\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1a.specd.draft.v1.DraftTokenH\x00\x12/\n\nwindow_end\x18\x02 \x01(\x0b\x32\x19.specd.draft.v1.WindowEndH\x00\x12(\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x19.specd.draft.v1.CommitAckH\x00\x12-\n\x06\x63losed\x18\x04 \x01(\x0b\x32\x1b.specd.draft.v1.DraftClosedH\x00\x42\x06\n\x04kind\"\x85\x01\n\nDraftToken\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x05\x12\x0c\n\x04prob\x18\x04 \x01(\x02\x12\x0f\n\x07\x65ntropy\x18\x05 \x01(\x02\x12(\n\x01q\x18\x06 \x01(\x0b\x32\x1d.specd.common.v1.Distribution\"\xd9\x01\n\tWindowEnd\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12*\n\x06reason\x18\x04 \x01(\x0e\x32\x1a.specd.draft.v1.StopReason\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cplain_rounds\x18\x06 \x01(\r\x12\x13\n\x0bside_tokens\x18\x07 \x03(\x05\x12\x14\n\x0cside_parents\x18\x08 \x03(\x05\x42\x14\n\x12_relaxed_threshold\"-\n\tCommitAck\x12\x11\n\tcommit_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\"\xb1\x01\n\x0b\x44raftClosed\x12\x42\n\x0cpolicy_state\x18\x01 \x03(\x0b\x32,.specd.draft.v1.DraftClosed.PolicyStateEntry\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x8b\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_POLICY\x10\x01\x12\x13\n\x0fSTOP_REASON_CAP\x10\x02\x12\x1b\n\x17STOP_REASON_NO_PROPOSAL\x10\x03\x12\x16\n\x12STOP_REASON_LENGTH\x10\x04\x32\x9b\x01\n\x0c\x44raftService\x12?\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x19.specd.draft.v1.DraftInfo\x12J\n\x07Session\x12\x1c.specd.draft.v1.DraftRequest\x1a\x1d.specd.draft.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,34 +38,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENDRAFT_POLICYSTATEENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._loaded_options = None
   _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._serialized_options = b'8\001'
-  _globals['_STOPREASON']._serialized_start=2169
-  _globals['_STOPREASON']._serialized_end=2308
+  _globals['_STOPREASON']._serialized_start=2124
+  _globals['_STOPREASON']._serialized_end=2263
   _globals['_DRAFTINFO']._serialized_start=77
   _globals['_DRAFTINFO']._serialized_end=315
   _globals['_DRAFTREQUEST']._serialized_start=318
   _globals['_DRAFTREQUEST']._serialized_end=470
   _globals['_OPENDRAFT']._serialized_start=473
-  _globals['_OPENDRAFT']._serialized_end=1087
-  _globals['_OPENDRAFT_POLICYPARAMSENTRY']._serialized_start=950
-  _globals['_OPENDRAFT_POLICYPARAMSENTRY']._serialized_end=1001
-  _globals['_OPENDRAFT_POLICYSTATEENTRY']._serialized_start=1003
-  _globals['_OPENDRAFT_POLICYSTATEENTRY']._serialized_end=1053
-  _globals['_COMMIT']._serialized_start=1090
-  _globals['_COMMIT']._serialized_end=1360
-  _globals['_CLOSEDRAFT']._serialized_start=1362
-  _globals['_CLOSEDRAFT']._serialized_end=1374
-  _globals['_DRAFTRESPONSE']._serialized_start=1377
-  _globals['_DRAFTRESPONSE']._serialized_end=1583
-  _globals['_DRAFTTOKEN']._serialized_start=1586
-  _globals['_DRAFTTOKEN']._serialized_end=1719
-  _globals['_WINDOWEND']._serialized_start=1722
-  _globals['_WINDOWEND']._serialized_end=1939
-  _globals['_COMMITACK']._serialized_start=1941
-  _globals['_COMMITACK']._serialized_end=1986
-  _globals['_DRAFTCLOSED']._serialized_start=1989
-  _globals['_DRAFTCLOSED']._serialized_end=2166
-  _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._serialized_start=1003
-  _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._serialized_end=1053
-  _globals['_DRAFTSERVICE']._serialized_start=2311
-  _globals['_DRAFTSERVICE']._serialized_end=2466
+  _globals['_OPENDRAFT']._serialized_end=1042
+  _globals['_OPENDRAFT_POLICYPARAMSENTRY']._serialized_start=881
+  _globals['_OPENDRAFT_POLICYPARAMSENTRY']._serialized_end=932
+  _globals['_OPENDRAFT_POLICYSTATEENTRY']._serialized_start=934
+  _globals['_OPENDRAFT_POLICYSTATEENTRY']._serialized_end=984
+  _globals['_COMMIT']._serialized_start=1045
+  _globals['_COMMIT']._serialized_end=1315
+  _globals['_CLOSEDRAFT']._serialized_start=1317
+  _globals['_CLOSEDRAFT']._serialized_end=1329
+  _globals['_DRAFTRESPONSE']._serialized_start=1332
+  _globals['_DRAFTRESPONSE']._serialized_end=1538
+  _globals['_DRAFTTOKEN']._serialized_start=1541
+  _globals['_DRAFTTOKEN']._serialized_end=1674
+  _globals['_WINDOWEND']._serialized_start=1677
+  _globals['_WINDOWEND']._serialized_end=1894
+  _globals['_COMMITACK']._serialized_start=1896
+  _globals['_COMMITACK']._serialized_end=1941
+  _globals['_DRAFTCLOSED']._serialized_start=1944
+  _globals['_DRAFTCLOSED']._serialized_end=2121
+  _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._serialized_start=934
+  _globals['_DRAFTCLOSED_POLICYSTATEENTRY']._serialized_end=984
+  _globals['_DRAFTSERVICE']._serialized_start=2266
+  _globals['_DRAFTSERVICE']._serialized_end=2421
 # @@protoc_insertion_point(module_scope)

@@ -56,7 +56,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenDraft, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., close: _Optional[_Union[CloseDraft, _Mapping]] = ...) -> None: ...
 
 class OpenDraft(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "verify_seconds", "round_overhead_seconds", "batch_seconds", "batch_token_seconds", "branches")
+    __slots__ = ("prompt_ids", "sampling", "policy", "policy_params", "max_draft_tokens", "policy_state", "max_length", "lookahead", "send_distributions", "vocab_size", "costs", "branches")
     class PolicyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,10 +81,7 @@ class OpenDraft(_message.Message):
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     SEND_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ROUND_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
@@ -96,12 +93,9 @@ class OpenDraft(_message.Message):
     lookahead: int
     send_distributions: bool
     vocab_size: int
-    verify_seconds: _containers.RepeatedScalarFieldContainer[float]
-    round_overhead_seconds: float
-    batch_seconds: _containers.RepeatedScalarFieldContainer[float]
-    batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
+    costs: _common_pb2.Costs
     branches: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., round_overhead_seconds: _Optional[float] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., branches: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., policy_params: _Optional[_Mapping[str, float]] = ..., max_draft_tokens: _Optional[int] = ..., policy_state: _Optional[_Mapping[str, float]] = ..., max_length: _Optional[int] = ..., lookahead: _Optional[int] = ..., send_distributions: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., costs: _Optional[_Union[_common_pb2.Costs, _Mapping]] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("commit_id", "tokens", "num_verified", "num_strict", "js_distances", "top_logprobs", "features", "other_sessions", "other_tokens", "side_nodes")

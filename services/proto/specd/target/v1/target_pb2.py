@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.specd.common.v1 import common_pb2 as specd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/target/v1/target.proto\x12\x0fspecd.target.v1\x1a\x1cspecd/common/v1/common.proto\"\xd6\x01\n\nTargetInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x16\n\x0everify_seconds\x18\x03 \x03(\x01\x12\x15\n\rbatch_seconds\x18\x04 \x03(\x01\x12\x1b\n\x13\x62\x61tch_token_seconds\x18\x05 \x03(\x01\x12\x12\n\nplain_runs\x18\x06 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x08 \x01(\t\"y\n\x0eTokenizerFiles\x12\x39\n\x05\x66iles\x18\x01 \x03(\x0b\x32*.specd.target.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x9e\x01\n\rTargetRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.specd.target.v1.OpenTargetH\x00\x12)\n\x06verify\x18\x02 \x01(\x0b\x32\x17.specd.target.v1.VerifyH\x00\x12-\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1c.specd.target.v1.CloseTargetH\x00\x42\x06\n\x04kind\"\xc6\x01\n\nOpenTarget\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x08\x12\x31\n\tspeculate\x18\x04 \x01(\x0b\x32\x1e.specd.target.v1.LocalDrafting\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\xe0\x02\n\rLocalDrafting\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12G\n\rpolicy_params\x18\x02 \x03(\x0b\x32\x30.specd.target.v1.LocalDrafting.PolicyParamsEntry\x12\x1d\n\x10max_draft_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x45\n\x0cpolicy_state\x18\x04 \x03(\x0b\x32/.specd.target.v1.LocalDrafting.PolicyStateEntry\x12\x12\n\nmax_length\x18\x05 \x01(\x05\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokens\"\x87\x02\n\x06Verify\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x34\n\rdistributions\x18\x04 \x03(\x0b\x32\x1d.specd.common.v1.Distribution\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07relaxed\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x13\n\x0bside_tokens\x18\x08 \x03(\x05\x12\x14\n\x0cside_parents\x18\t \x03(\x05\x12\r\n\x05steps\x18\n \x01(\rB\x14\n\x12_relaxed_threshold\"\r\n\x0b\x43loseTarget\"x\n\x0eTargetResponse\x12-\n\x08verified\x18\x01 \x01(\x0b\x32\x19.specd.target.v1.VerifiedH\x00\x12/\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x1d.specd.target.v1.TargetClosedH\x00\x42\x06\n\x04kind\"\xb5\x03\n\x08Verified\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12 \n\x18\x64\x65\x63ode_seconds_per_token\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x32\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0c \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\r \x03(\x05\x12\x0f\n\x07\x64rafted\x18\x0e \x01(\x05\x12\x39\n\x10\x65mitted_logprobs\x18\x0f \x03(\x0b\x32\x1f.specd.target.v1.EmittedLogprob\"H\n\x0e\x45mittedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xcd\x01\n\x0cTargetClosed\x12\x44\n\x0cpolicy_state\x18\x01 \x03(\x0b\x32..specd.target.v1.TargetClosed.PolicyStateEntry\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fgrammar_drafted\x18\x04 \x01(\x05\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xf1\x01\n\rTargetService\x12\x41\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x1b.specd.target.v1.TargetInfo\x12M\n\x0cGetTokenizer\x12\x1c.specd.common.v1.InfoRequest\x1a\x1f.specd.target.v1.TokenizerFiles\x12N\n\x07Session\x12\x1e.specd.target.v1.TargetRequest\x1a\x1f.specd.target.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecd/target/v1/target.proto\x12\x0fspecd.target.v1\x1a\x1cspecd/common/v1/common.proto\"\xc3\x01\n\nTargetInfo\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.specd.common.v1.ModelInfo\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12%\n\x05\x63osts\x18\t \x01(\x0b\x32\x16.specd.common.v1.Costs\x12\x12\n\nplain_runs\x18\x06 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x08 \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"y\n\x0eTokenizerFiles\x12\x39\n\x05\x66iles\x18\x01 \x03(\x0b\x32*.specd.target.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x9e\x01\n\rTargetRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.specd.target.v1.OpenTargetH\x00\x12)\n\x06verify\x18\x02 \x01(\x0b\x32\x17.specd.target.v1.VerifyH\x00\x12-\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1c.specd.target.v1.CloseTargetH\x00\x42\x06\n\x04kind\"\xc6\x01\n\nOpenTarget\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.specd.common.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x08\x12\x31\n\tspeculate\x18\x04 \x01(\x0b\x32\x1e.specd.target.v1.LocalDrafting\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\xe0\x02\n\rLocalDrafting\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12G\n\rpolicy_params\x18\x02 \x03(\x0b\x32\x30.specd.target.v1.LocalDrafting.PolicyParamsEntry\x12\x1d\n\x10max_draft_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x45\n\x0cpolicy_state\x18\x04 \x03(\x0b\x32/.specd.target.v1.LocalDrafting.PolicyStateEntry\x12\x12\n\nmax_length\x18\x05 \x01(\x05\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x13\n\x11_max_draft_tokens\"\x87\x02\n\x06Verify\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x34\n\rdistributions\x18\x04 \x03(\x0b\x32\x1d.specd.common.v1.Distribution\x12\x1e\n\x11relaxed_threshold\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07relaxed\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x13\n\x0bside_tokens\x18\x08 \x03(\x05\x12\x14\n\x0cside_parents\x18\t \x03(\x05\x12\r\n\x05steps\x18\n \x01(\rB\x14\n\x12_relaxed_threshold\"\r\n\x0b\x43loseTarget\"x\n\x0eTargetResponse\x12-\n\x08verified\x18\x01 \x01(\x0b\x32\x19.specd.target.v1.VerifiedH\x00\x12/\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x1d.specd.target.v1.TargetClosedH\x00\x42\x06\n\x04kind\"\xb5\x03\n\x08Verified\x12\x11\n\tverify_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\nnum_strict\x18\x04 \x01(\x05\x12\x14\n\x0cjs_distances\x18\x05 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12 \n\x18\x64\x65\x63ode_seconds_per_token\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x32\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1c.specd.common.v1.TopLogprobs\x12+\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x19.specd.common.v1.Features\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0c \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\r \x03(\x05\x12\x0f\n\x07\x64rafted\x18\x0e \x01(\x05\x12\x39\n\x10\x65mitted_logprobs\x18\x0f \x03(\x0b\x32\x1f.specd.target.v1.EmittedLogprob\"H\n\x0e\x45mittedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xcd\x01\n\x0cTargetClosed\x12\x44\n\x0cpolicy_state\x18\x01 \x03(\x0b\x32..specd.target.v1.TargetClosed.PolicyStateEntry\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fgrammar_drafted\x18\x04 \x01(\x05\x1a\x32\n\x10PolicyStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xf1\x01\n\rTargetService\x12\x41\n\x04Info\x12\x1c.specd.common.v1.InfoRequest\x1a\x1b.specd.target.v1.TargetInfo\x12M\n\x0cGetTokenizer\x12\x1c.specd.common.v1.InfoRequest\x1a\x1f.specd.target.v1.TokenizerFiles\x12N\n\x07Session\x12\x1e.specd.target.v1.TargetRequest\x1a\x1f.specd.target.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETCLOSED_POLICYSTATEENTRY']._loaded_options = None
   _globals['_TARGETCLOSED_POLICYSTATEENTRY']._serialized_options = b'8\001'
   _globals['_TARGETINFO']._serialized_start=80
-  _globals['_TARGETINFO']._serialized_end=294
-  _globals['_TOKENIZERFILES']._serialized_start=296
-  _globals['_TOKENIZERFILES']._serialized_end=417
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=373
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=417
-  _globals['_TARGETREQUEST']._serialized_start=420
-  _globals['_TARGETREQUEST']._serialized_end=578
-  _globals['_OPENTARGET']._serialized_start=581
-  _globals['_OPENTARGET']._serialized_end=779
-  _globals['_LOCALDRAFTING']._serialized_start=782
-  _globals['_LOCALDRAFTING']._serialized_end=1134
-  _globals['_LOCALDRAFTING_POLICYPARAMSENTRY']._serialized_start=1010
-  _globals['_LOCALDRAFTING_POLICYPARAMSENTRY']._serialized_end=1061
-  _globals['_LOCALDRAFTING_POLICYSTATEENTRY']._serialized_start=1063
-  _globals['_LOCALDRAFTING_POLICYSTATEENTRY']._serialized_end=1113
-  _globals['_VERIFY']._serialized_start=1137
-  _globals['_VERIFY']._serialized_end=1400
-  _globals['_CLOSETARGET']._serialized_start=1402
-  _globals['_CLOSETARGET']._serialized_end=1415
-  _globals['_TARGETRESPONSE']._serialized_start=1417
-  _globals['_TARGETRESPONSE']._serialized_end=1537
-  _globals['_VERIFIED']._serialized_start=1540
-  _globals['_VERIFIED']._serialized_end=1977
-  _globals['_EMITTEDLOGPROB']._serialized_start=1979
-  _globals['_EMITTEDLOGPROB']._serialized_end=2051
-  _globals['_TARGETCLOSED']._serialized_start=2054
-  _globals['_TARGETCLOSED']._serialized_end=2259
-  _globals['_TARGETCLOSED_POLICYSTATEENTRY']._serialized_start=1063
-  _globals['_TARGETCLOSED_POLICYSTATEENTRY']._serialized_end=1113
-  _globals['_TARGETSERVICE']._serialized_start=2262
-  _globals['_TARGETSERVICE']._serialized_end=2503
+  _globals['_TARGETINFO']._serialized_end=275
+  _globals['_TOKENIZERFILES']._serialized_start=277
+  _globals['_TOKENIZERFILES']._serialized_end=398
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=354
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=398
+  _globals['_TARGETREQUEST']._serialized_start=401
+  _globals['_TARGETREQUEST']._serialized_end=559
+  _globals['_OPENTARGET']._serialized_start=562
+  _globals['_OPENTARGET']._serialized_end=760
+  _globals['_LOCALDRAFTING']._serialized_start=763
+  _globals['_LOCALDRAFTING']._serialized_end=1115
+  _globals['_LOCALDRAFTING_POLICYPARAMSENTRY']._serialized_start=991
+  _globals['_LOCALDRAFTING_POLICYPARAMSENTRY']._serialized_end=1042
+  _globals['_LOCALDRAFTING_POLICYSTATEENTRY']._serialized_start=1044
+  _globals['_LOCALDRAFTING_POLICYSTATEENTRY']._serialized_end=1094
+  _globals['_VERIFY']._serialized_start=1118
+  _globals['_VERIFY']._serialized_end=1381
+  _globals['_CLOSETARGET']._serialized_start=1383
+  _globals['_CLOSETARGET']._serialized_end=1396
+  _globals['_TARGETRESPONSE']._serialized_start=1398
+  _globals['_TARGETRESPONSE']._serialized_end=1518
+  _globals['_VERIFIED']._serialized_start=1521
+  _globals['_VERIFIED']._serialized_end=1958
+  _globals['_EMITTEDLOGPROB']._serialized_start=1960
+  _globals['_EMITTEDLOGPROB']._serialized_end=2032
+  _globals['_TARGETCLOSED']._serialized_start=2035
+  _globals['_TARGETCLOSED']._serialized_end=2240
+  _globals['_TARGETCLOSED_POLICYSTATEENTRY']._serialized_start=1044
+  _globals['_TARGETCLOSED_POLICYSTATEENTRY']._serialized_end=1094
+  _globals['_TARGETSERVICE']._serialized_start=2243
+  _globals['_TARGETSERVICE']._serialized_end=2484
 # @@protoc_insertion_point(module_scope)

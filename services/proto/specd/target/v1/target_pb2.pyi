@@ -8,24 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "max_batch_size", "verify_seconds", "batch_seconds", "batch_token_seconds", "plain_runs", "drafter", "drafter_kind")
+    __slots__ = ("model", "max_batch_size", "costs", "plain_runs", "drafter", "drafter_kind")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_batch_size: int
-    verify_seconds: _containers.RepeatedScalarFieldContainer[float]
-    batch_seconds: _containers.RepeatedScalarFieldContainer[float]
-    batch_token_seconds: _containers.RepeatedScalarFieldContainer[float]
+    costs: _common_pb2.Costs
     plain_runs: bool
     drafter: str
     drafter_kind: str
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., verify_seconds: _Optional[_Iterable[float]] = ..., batch_seconds: _Optional[_Iterable[float]] = ..., batch_token_seconds: _Optional[_Iterable[float]] = ..., plain_runs: _Optional[bool] = ..., drafter: _Optional[str] = ..., drafter_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., costs: _Optional[_Union[_common_pb2.Costs, _Mapping]] = ..., plain_runs: _Optional[bool] = ..., drafter: _Optional[str] = ..., drafter_kind: _Optional[str] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
