@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench_load import _machine, stack_args  # noqa: E402
+from specd_bench.load import _machine, stack_args  # noqa: E402
 from services.cli import _plan, _stop, free_port, start_stack  # noqa: E402
-from specd.bench.datasets import load_questions  # noqa: E402
+from specd_bench.datasets import load_questions  # noqa: E402
 from specd.costs import provenance  # noqa: E402
 
 SHARED = "specd_target_prefill_shared_tokens_total"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specd.bench.datasets import load_questions
+from specd_bench.datasets import load_questions
 from specd.costs import (CostCurve, cpu_model, measure_cost_curve, measure_t_draft, provenance,
                          synthetic_prefix)
 from specd.drafters import build_drafter

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specd.bench.datasets import load_questions
+from specd_bench.datasets import load_questions
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.runtime import load_model

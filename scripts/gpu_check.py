@@ -111,7 +111,7 @@ def load(args) -> LoadedModel:
 
 def prompts(args, target: LoadedModel) -> list[list[int]]:
     if args.dataset:
-        from specd.bench.datasets import load_questions
+        from specd_bench.datasets import load_questions
 
         questions = load_questions(args.dataset, limit=args.prompts)
         return [target.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True) for q in questions]

@@ -72,11 +72,6 @@ def add_commands(sub) -> None:
     up.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health checks")
     up.set_defaults(func=cmd_up)
-    from services.bench import add_command
-    from services.bench_load import add_command as add_load_command
-
-    add_command(sub)
-    add_load_command(sub)
     from services.gateway.keys_cli import add_command as add_keys_command
 
     add_keys_command(sub)

@@ -141,7 +141,7 @@ def c_shims() -> dict:
 
 @contextlib.contextmanager
 def disabled():
-    """Forwards traced inside use torch's product (scripts/cpu_compiled_steps.py compares)."""
+    """Forwards traced inside use torch's product (to compare the two products)."""
     saved = _state.get("reason")
     _state["reason"] = "disabled"
     try:

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from services import bench_load
+from specd_bench import load as bench_load
 
 from tests.integration.conftest import MESSAGES
 

@@ -19,7 +19,7 @@ import asyncio
 import httpx
 import pytest
 
-from services import bench_load
+from specd_bench import load as bench_load
 from services.coordinator.metrics import tag_label
 from tests.integration.conftest import HTTP_TIMEOUT_S, MAX_TOKENS, MESSAGES, Stack
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specd.bench.datasets import load_questions
+from specd_bench.datasets import load_questions
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine

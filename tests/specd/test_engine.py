@@ -137,7 +137,7 @@ def test_seeded_oracle_discards_nothing_and_matches_the_computed_bound(tiny_targ
     """Under a seed (coupled sampling) the target's output is fixed, so the oracle is exact: the
     engine's oracle keeps every drafted token, and its rounds are the ones the bench's bound
     computes from the draft's teacher-forced race winners."""
-    from specd.bench.oracle import oracle_rounds, teacher_forced_agreement
+    from specd_bench.oracle import oracle_rounds, teacher_forced_agreement
     from specd.policies.oracle import OraclePolicy
 
     sampling = SamplingParams(temperature=1.0, seed=11, max_new_tokens=N)

@@ -47,7 +47,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specd.cli import DATASET_HELP
+from specd_bench.cli import DATASET_HELP
 from specd.errors import InvalidRequest, SpecdError
 
 PERCENTILES = (50, 95, 99)
@@ -565,7 +565,7 @@ def cmd_bench_load(args) -> int:
     import tempfile
 
     from services.cli import _plan, _stop, free_port, start_stack
-    from specd.bench.datasets import dataset_label, load_questions
+    from specd_bench.datasets import dataset_label, load_questions
     from specd.costs import provenance
 
     modes = _csv(args.modes)

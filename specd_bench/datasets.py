@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from specd.errors import InvalidRequest
 
 TURN_CHOICES = ("1", "2", "all")
 BUILTIN = "built-in"  # what results record for the built-in set; --dataset built-in also names it
-BUILTIN_PATH = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+BUILTIN_PATH = Path(str(resources.files("specd") / "data" / "prompts.jsonl"))  # shipped with the core
 
 
 def dataset_path(dataset: str | Path | None) -> Path:

@@ -1,8 +1,8 @@
-"""`specd bench-services` (services/bench.py): what it measures before its timed runs."""
+"""`specd bench-services` (specd_bench/services.py): what it measures before its timed runs."""
 
 from __future__ import annotations
 
-from services.bench import _measure_costs
+from specd_bench.services import _measure_costs
 from specd.drafters import NgramDrafter
 from specd.engine import SpeculativeEngine
 

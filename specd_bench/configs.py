@@ -3,7 +3,7 @@
 A configuration is one row of the report. `ar` (policy "none" through our engine) is the
 baseline every speedup is measured against and is always run. The oracle policy is run
 through the engine only for the model-free drafters (ngram, retrieval: nothing to teacher-force);
-model drafters get the computed oracle bound instead (specd.bench.oracle).
+model drafters get the computed oracle bound instead (specd_bench.oracle).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.bench.peers import BASELINES, PEERS
+from specd_bench.peers import BASELINES, PEERS
 from specd.drafters import DRAFTERS, MODEL_FREE
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, POLICIES, policy_class
@@ -24,7 +24,7 @@ ORACLE_SKIP = "the oracle needs a reproducible target output: greedy, or sampled
 
 @dataclass(frozen=True)
 class BenchSettings:
-    dataset: Path | None = None  # None: the built-in set (specd.bench.datasets)
+    dataset: Path | None = None  # None: the built-in set (specd_bench.datasets)
     turn: str = "1"
     limit: int | None = None
     policies: tuple[str, ...] | None = None  # None: every policy except oracle

@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from specd.bench.configs import BASELINE
-from specd.bench.contention import summarize as contention_summary
-from specd.bench.metrics import aggregate
-from specd.bench.report import add_oracle_fractions
+from specd_bench.configs import BASELINE
+from specd_bench.contention import summarize as contention_summary
+from specd_bench.metrics import aggregate
+from specd_bench.report import add_oracle_fractions
 from specd.errors import InvalidRequest
 
 PART_ONLY_SETTINGS = ("offset", "limit", "out")  # what may differ between parts

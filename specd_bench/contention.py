@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from specd.bench.metrics import speedups
+from specd_bench.metrics import speedups
 
 DISTURBED = 0.10  # other processes used more than a tenth of our CPUs during a run
 MIN_FOREIGN_S = 0.1  # ... and at least this much CPU time (10 ticks)

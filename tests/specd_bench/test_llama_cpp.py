@@ -7,9 +7,9 @@ import importlib.util
 
 import pytest
 
-from specd.bench import llama_cpp
-from specd.bench.configs import BenchSettings, build_configs
-from specd.bench.peers import BASELINES, skip_reason
+from specd_bench import llama_cpp
+from specd_bench.configs import BenchSettings, build_configs
+from specd_bench.peers import BASELINES, skip_reason
 from specd.runtime.tiny import loaded, tiny_llama
 
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from specd.bench.merge import load_part, merge_docs
-from specd.bench.metrics import aggregate
+from specd_bench.merge import load_part, merge_docs
+from specd_bench.metrics import aggregate
 from specd.errors import InvalidRequest
 
 PROMPTS = ["hello there", "count to five", "the cat sat on the mat, the cat"]

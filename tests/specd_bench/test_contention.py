@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specd.bench.contention import DISTURBED, CpuShare, busy_seconds, disturbed_runs, summarize
-from specd.bench.report import _contention_lines
+from specd_bench.contention import DISTURBED, CpuShare, busy_seconds, disturbed_runs, summarize
+from specd_bench.report import _contention_lines
 
 STAT = """cpu  900 10 300 5000 40 1 2 3 0 0
 cpu0 100 0 50 2000 20 0 1 0 0 0

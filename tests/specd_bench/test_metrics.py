@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specd.bench.metrics import aggregate, run_record, speedups
-from specd.bench.oracle import CostCurve, bound, oracle_rounds
+from specd_bench.metrics import aggregate, run_record, speedups
+from specd_bench.oracle import CostCurve, bound, oracle_rounds
 from specd.stats import GenerationStats
 
 
@@ -93,7 +93,7 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 
 def test_entropy_bins_split_by_outcome():
-    from specd.bench.metrics import ENTROPY_EDGES, entropy_bins
+    from specd_bench.metrics import ENTROPY_EDGES, entropy_bins
 
     bins = entropy_bins([0.0, 0.3, 0.3, 7.0], [True, True, False, False])
     assert bins["accepted"][0] == 1 and bins["accepted"][2] == 1 and bins["rejected"][2] == 1
@@ -103,8 +103,8 @@ def test_entropy_bins_split_by_outcome():
 def test_failed_runs_are_left_out_of_the_figures_and_counted():
     """A peer's failed record (no numbers) keeps its place; the aggregate, the speedups and the
     contention summary are over the runs that completed, against `ar` on those same prompts."""
-    from specd.bench.contention import summarize
-    from specd.bench.metrics import failed_record
+    from specd_bench.contention import summarize
+    from specd_bench.metrics import failed_record
 
     def run(key, n, wall, share=0.0):
         return {"prompt": key, "repeat": 0, "new_tokens": n, "wall_time_s": wall, "tokens_per_s": n / wall,
@@ -131,7 +131,7 @@ def test_failed_runs_are_left_out_of_the_figures_and_counted():
 def test_a_prompt_the_baseline_failed_has_no_ratio_for_anyone():
     """Where `ar` itself failed a prompt, a configuration that ran it keeps the run in its own
     totals, but no ratio is taken there: speedups pair only runs where both sides completed."""
-    from specd.bench.metrics import failed_record
+    from specd_bench.metrics import failed_record
 
     def run(key, n, wall):
         return {"prompt": key, "repeat": 0, "new_tokens": n, "wall_time_s": wall, "tokens_per_s": n / wall}

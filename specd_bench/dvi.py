@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from specd.bench.oracle import teacher_forced_agreement
+from specd_bench.oracle import teacher_forced_agreement
 from specd.drafters.base import Drafter
 from specd.dvi import MemoryReplayStream, TrainerConfig, trainer_for
 from specd.engine import SpeculativeEngine

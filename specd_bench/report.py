@@ -1,5 +1,5 @@
 """The benchmark's outputs: results.json (everything, machine-readable) and report.md (one
-table, configurations as rows). Plots are drawn by specd.bench.plots from the same document.
+table, configurations as rows). Plots are drawn by specd_bench.plots from the same document.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import json
 import sys
 from pathlib import Path
 
-from specd.bench.configs import BASELINE
-from specd.bench.contention import summarize as contention_summary
-from specd.bench.datasets import dataset_label
-from specd.bench.metrics import aggregate
-from specd.bench.peers import sklearn_available
+from specd_bench.configs import BASELINE
+from specd_bench.contention import summarize as contention_summary
+from specd_bench.datasets import dataset_label
+from specd_bench.metrics import aggregate
+from specd_bench.peers import sklearn_available
 from specd.costs import provenance
 from specd.runtime.kernels import kernels_of
 
@@ -65,7 +65,7 @@ def _prompt_entry(run, p) -> dict:
 
 def add_oracle_fractions(aggregates: dict, configs: list[dict], oracle: dict) -> None:
     """Each config's tokens/s as a fraction of its drafter's oracle, and the best constant K.
-    Where every prompt's bound was also costed at `ar`'s own per-token time (specd.bench.oracle
+    Where every prompt's bound was also costed at `ar`'s own per-token time (specd_bench.oracle
     `ar_step`), that bound and the fractions of it too (`..._at_ar_step`)."""
     bounds, at_ar = {}, {}
     for kind, entry in oracle.get("drafters", {}).items():
@@ -138,7 +138,7 @@ def report_md(doc: dict) -> str:
 
 
 def _failure_lines(aggregates: dict, prompts: int, repeats: int) -> list[str]:
-    """The configurations that could not run some prompts (specd.bench.runner.run_guarded): how
+    """The configurations that could not run some prompts (specd_bench.runner.run_guarded): how
     many, which, and why; their rows above are over the prompts they ran, their speedups over
     the prompts where `ar` ran too."""
     failing = {label: a for label, a in aggregates.items() if a.get("failed_runs")}
@@ -220,7 +220,7 @@ def _policy_curve_lines(curves: dict | None) -> list[str]:
 
 
 def _parts_lines(parts: list[dict] | None) -> list[str]:
-    """A document joined by `specd bench-merge`: which runs it is made of (specd.bench.merge)."""
+    """A document joined by `specd bench-merge`: which runs it is made of (specd_bench.merge)."""
     if not parts:
         return []
     out = ["", f"Joined from {len(parts)} runs over disjoint prompts (`specd bench-merge`); every ratio is "
@@ -236,7 +236,7 @@ def _parts_lines(parts: list[dict] | None) -> list[str]:
 
 def _contention_lines(c: dict) -> list[str]:
     """Whether other processes shared the CPUs, which prompts they disturbed, and the speedups
-    without those prompts (specd.bench.contention)."""
+    without those prompts (specd_bench.contention)."""
     if not c["measured"]:
         return ["", "Machine contention: not measured (no /proc/stat)."]
     share = f"other processes' share of the CPUs during a run: mean {100 * c['mean_share']:.1f}%, max {100 * c['max_share']:.1f}%"
@@ -254,7 +254,7 @@ def _contention_lines(c: dict) -> list[str]:
 
 def write_outputs(doc: dict, out: Path) -> list[Path]:
     """results.json, report.md and the PNG plots; returns the paths written."""
-    from specd.bench.plots import write_plots
+    from specd_bench.plots import write_plots
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=1))

@@ -1,4 +1,4 @@
-"""Peer baselines from transformers (and llama.cpp, specd.bench.llama_cpp), timed like our runs
+"""Peer baselines from transformers (and llama.cpp, specd_bench.llama_cpp), timed like our runs
 (time.perf_counter around the call).
 
 - hf-ar: generate() alone, transformers' own target-only decoding (what the runtime is worth
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specd.bench import llama_cpp
+from specd_bench import llama_cpp
 from specd.runtime.loading import LoadedModel
 from specd.types import SamplingParams
 

@@ -1,13 +1,13 @@
 """The benchmark loop: load the models, run every configuration on every prompt, interleaved
 per prompt (baseline, config A, config B, ... for one prompt, then the next; all of it
 `repeats` times) so that slow drift of the machine cancels out of the speedup ratios. Each run
-also records how much of the CPUs other processes took meanwhile (specd.bench.contention), so
+also records how much of the CPUs other processes took meanwhile (specd_bench.contention), so
 that a burst of foreign work is flagged instead of skewing the ratios unseen.
 
 A configuration that cannot run a prompt (it raises: a peer, specd's own, or the baseline `ar`)
 gets a failed record for it, saying why (the exception's type and message), and the run goes on
 with the other configurations and prompts: its row is over the prompts it ran and counts the ones
-it could not, and its ratios are over the prompts where both it and `ar` ran (specd.bench.metrics).
+it could not, and its ratios are over the prompts where both it and `ar` ran (specd_bench.metrics).
 The same holds for the oracle's per-prompt bounds. Only Exception is caught: KeyboardInterrupt
 and SystemExit still end the run. Where specd's own code fails on something other than a
 SpecdError (one it raises on purpose, e.g. a prompt past the target's context), the traceback is
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from specd.bench import oracle as orc
-from specd.bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, build_configs
-from specd.bench.contention import CpuShare
-from specd.bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
-from specd.bench.llama_cpp import LLAMA_PEERS
-from specd.bench.metrics import failed, failed_record, peer_record, run_record
-from specd.bench.peers import PeerRunner, early_exit_assistant, skip_reason
+from specd_bench import oracle as orc
+from specd_bench.configs import BASELINE, ORACLE_SKIP, BenchSettings, Config, build_configs
+from specd_bench.contention import CpuShare
+from specd_bench.datasets import BenchPrompt, bench_prompts, load_questions, messages
+from specd_bench.llama_cpp import LLAMA_PEERS
+from specd_bench.metrics import failed, failed_record, peer_record, run_record
+from specd_bench.peers import PeerRunner, early_exit_assistant, skip_reason
 from specd.costs import CostCurve
 from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
@@ -261,7 +261,7 @@ def _failed(what: str, error: Exception, ours: bool) -> dict:
 
 def run_bench(s: BenchSettings, models: Models | None = None, progress: bool = True) -> dict:
     """Validate, load, run and measure; returns the results document (see report.results_doc)."""
-    from specd.bench.report import results_doc
+    from specd_bench.report import results_doc
 
     s.validate()
     load_questions(s.dataset, s.limit, s.offset)  # a bad dataset fails before the models load

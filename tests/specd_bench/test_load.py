@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from services import bench_load
+from specd_bench import load as bench_load
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def test_the_machine_line_names_the_gpus_where_there_are_any(monkeypatch):
     """Numbers measured on a GPU name it: an H200 run's report once named only the host's CPU."""
     import torch
 
-    from services.bench_load import _machine
+    from specd_bench.load import _machine
 
     assert "GPU" not in _machine() or torch.cuda.is_available()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

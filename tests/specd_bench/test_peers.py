@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.bench.peers import PeerRunner, early_exit_assistant
+from specd_bench.peers import PeerRunner, early_exit_assistant
 from specd.drafters import EarlyExitDrafter
 from specd.runtime.session import KVSession, hf_forward
 from specd.types import SamplingParams

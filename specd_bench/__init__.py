@@ -7,7 +7,7 @@ Modules: datasets (prompts), configs (settings, rows), runner (the interleaved l
 report (results.json, report.md), plots (PNGs).
 """
 
-from specd.bench.configs import BenchSettings
-from specd.bench.runner import run_bench
+from specd_bench.configs import BenchSettings
+from specd_bench.runner import run_bench
 
 __all__ = ["BenchSettings", "run_bench"]

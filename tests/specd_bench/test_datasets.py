@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.bench.datasets import load_questions
+from specd_bench.datasets import load_questions
 from specd.errors import InvalidRequest
 
 
@@ -42,7 +42,7 @@ def test_the_built_in_set_is_40_prompts_in_8_categories():
     two turns; some carry a long given context (lookup drafters copy from it)."""
     from collections import Counter
 
-    from specd.bench.datasets import BUILTIN_PATH
+    from specd_bench.datasets import BUILTIN_PATH
 
     lines = [line for line in BUILTIN_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
     docs = [json.loads(line) for line in lines]
@@ -60,7 +60,7 @@ def test_the_built_in_set_is_40_prompts_in_8_categories():
 
 
 def test_built_in_is_the_default_and_a_name():
-    from specd.bench.datasets import BUILTIN_PATH, dataset_label, dataset_path
+    from specd_bench.datasets import BUILTIN_PATH, dataset_label, dataset_path
 
     assert dataset_path(None) == dataset_path("built-in") == BUILTIN_PATH
     assert dataset_label(None) == dataset_label(Path("built-in")) == "built-in"

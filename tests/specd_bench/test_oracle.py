@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specd.bench.oracle import CostCurve, ar_step, at_step_cost, bound, branch_reach, oracle_rounds, tree_rounds
-from specd.bench.report import add_oracle_fractions
+from specd_bench.oracle import CostCurve, ar_step, at_step_cost, bound, branch_reach, oracle_rounds, tree_rounds
+from specd_bench.report import add_oracle_fractions
 from specd.drafters import EarlyExitDrafter, HybridDrafter, NgramDrafter
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1]
@@ -91,7 +91,7 @@ def test_fractions_at_ar_step_only_where_every_prompt_has_it():
 def test_the_report_line_at_ar_step_skips_one_token_answers():
     """A one-token answer has no decoding step (ar_step None, its bound is its prefill): the
     report's mean step is over the prompts that decoded."""
-    from specd.bench.report import _oracle_lines
+    from specd_bench.report import _oracle_lines
 
     rows = [{"new_tokens": 11, "time_s": 1.0, "ar_step_s": 0.04, "time_at_ar_step_s": 1.2,
              "verifications": 5, "draft_lengths": []},

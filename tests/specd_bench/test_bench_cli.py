@@ -42,7 +42,7 @@ def test_bench_smoke(tiny_dirs, dataset, tmp_path, specd_cli):
     for label in labels:
         records = doc["records"][label]
         assert [r["prompt"] for r in records] == [f"{i}#t1" for i in range(3)]
-        assert all({"foreign_share", "foreign_cpu_s"} <= set(r) for r in records)  # specd.bench.contention
+        assert all({"foreign_share", "foreign_cpu_s"} <= set(r) for r in records)  # specd_bench.contention
     # transformers' own target-alone decoding says the same as specd's lean forward
     assert doc["aggregates"]["hf-ar"]["identical"] is True
     for label in ("hf/constant", "hf/heuristic", "hf/svip"):
@@ -165,7 +165,7 @@ def test_unknown_names_are_refused(tiny_dirs, dataset, tmp_path, specd_cli, flag
 
 
 def test_hybrid_bound_counts_its_side_branches(tiny_dirs, dataset, tmp_path, specd_cli):
-    """A tree drafter's oracle is the chain's and its branches' (specd.bench.oracle.tree_rounds):
+    """A tree drafter's oracle is the chain's and its branches' (specd_bench.oracle.tree_rounds):
     the bound the report divides by, never the chain's alone, which a tree can beat."""
     from specd.drafters import Datastore
 

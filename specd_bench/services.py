@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specd.cli import DATASET_HELP
+from specd_bench.cli import DATASET_HELP
 from specd.errors import SpecdError
 
 
@@ -73,7 +73,7 @@ def _start(name: str, flags: list[str], core: int | None, log_dir: Path) -> tupl
 def cmd_bench_services(args) -> int:
     import torch
 
-    from specd.bench.datasets import dataset_label, load_questions
+    from specd_bench.datasets import dataset_label, load_questions
     from specd.drafters import build_drafter
     from specd.engine import SpeculativeEngine
     from specd.runtime import load_model
