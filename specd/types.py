@@ -6,7 +6,22 @@ Glossary (used the same way everywhere in specd):
 - *accepted* tokens: the leading draft tokens that verification kept.
 - *recovered* token: the token the target emits at the first rejected position.
 - *bonus* token: the token the target emits after a window whose drafts were all accepted.
+- a *window*: the draft tokens one verification judges (k = 0: a plain decoding step); a draft
+  *tree* is a window with side branches beside its chain (specd.tree).
 - a *round*: draft a window, verify it in one target forward, commit accepted + recovered/bonus.
+- a *forward*: one target pass over every session's new tokens (a *step* of the batch); it
+  verifies each session's window at once.
+- a *verdict*: what verification says of a window (specd.verify.Verdict): how many drafts were
+  accepted, the token after them, how many of those the strict rule kept.
+- a *commit*: the verdict applied to the committed sequence (specd.round); the draft side
+  acknowledges it, rolling back drafts past it.
+- a *chunk*: a part of a window sent for verification before the rest is drafted (PEARL's
+  overlap across the services).
+- an *epoch*: the draft side's count of rollbacks; a draft of an older epoch is stale.
+- a *plain run*: plain steps (k = 0) the target runs back to back for one request, with no
+  round trip between them (a policy's stretch of rounds that do not draft).
+- the *decode cost*: seconds of one plain decoding step of one session now (specd.cost_model's
+  `decode_cost`); every other target cost is priced against it.
 - p: target distribution, q: draft distribution, x: a draft token, H(q): entropy in nats.
 """
 
