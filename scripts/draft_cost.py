@@ -37,7 +37,7 @@ from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.runtime import load_model
 from specd.policies import PolicyResources, request_policy
-from specd.round import draft_window
+from specd.speculation.round import draft_window
 from specd.sampling import race_row, request_generator
 from specd.types import SamplingParams, SpecParams
 

@@ -38,7 +38,8 @@ from specd.policies import (
     check_spec,
     request_policy,
 )
-from specd.round import commit_tokens, draft_window, judged_window
+from specd.speculation.pace import PaceClock
+from specd.speculation.round import commit_tokens, draft_window, judged_window
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore
 from specd.stats import GenerationStats
@@ -149,6 +150,7 @@ class GenerationRun:
         self.stops = TextStream(target.tokenizer, sampling.stop) if sampling.stop else None
         self.finish_reason: str | None = None
         self.drafter_ran = False  # in the current round (the measured pace's split)
+        self.pace = PaceClock(self.policy)  # rounds timed from their start (specd.speculation.pace)
         self.started = time.perf_counter()
 
     # -- setup ------------------------------------------------------------------------------
@@ -173,13 +175,12 @@ class GenerationRun:
                 yield new
 
     def _round(self) -> list[int]:
-        """One round, timed for the policy's measured pace (from the second round on: the first
-        one also prefills the prompt)."""
-        t0 = time.perf_counter()
+        """One round, timed for the policy's measured pace from its start (not the caller's time
+        between rounds) to its commit."""
+        self.pace.start()
         self.drafter_ran = False
         new = self._speculate()
-        if self.policy is not None and self.stats.verifications > 1:
-            self.policy.observe_pace(len(new), time.perf_counter() - t0, self.drafter_ran)
+        self.pace.commit(len(new), self.drafter_ran)
         return new
 
     def _speculate(self) -> list[int]:

@@ -13,7 +13,7 @@ Glossary (used the same way everywhere in specd):
   verifies each session's window at once.
 - a *verdict*: what verification says of a window (specd.verify.Verdict): how many drafts were
   accepted, the token after them, how many of those the strict rule kept.
-- a *commit*: the verdict applied to the committed sequence (specd.round); the draft side
+- a *commit*: the verdict applied to the committed sequence (specd.speculation.round); the draft side
   acknowledges it, rolling back drafts past it.
 - a *chunk*: a part of a window sent for verification before the rest is drafted (PEARL's
   overlap across the services).

@@ -43,7 +43,7 @@ from services.proto.specd.draft.v1 import draft_pb2
 from services.proto.specd.target.v1 import target_pb2
 from specd.errors import Unavailable
 from specd.logprobs import TokenLogprob
-from specd.round import commit_tokens
+from specd.speculation.sequencer import Chunk, Sequencer
 from specd.stats import GenerationStats
 from specd.types import SamplingParams, SpecParams
 
@@ -137,18 +137,14 @@ class RequestLoop:
     def __init__(self, cfg: LoopConfig, target_stub, draft_stub):
         self.cfg = cfg
         self.target_stub, self.draft_stub = target_stub, draft_stub
-        self.seq = list(cfg.prompt)
+        # what to verify next and what each verdict commits (specd.speculation.sequencer)
+        self.rounds = Sequencer(cfg.prompt, max_length=cfg.max_length, eos=cfg.eos, overlap=cfg.overlap,
+                                drafting=draft_stub is not None)
         self.logprobs: list[TokenLogprob] = []  # of the emitted tokens, with cfg.logprobs
         self.stats = LoopStats(cfg.spec.policy, cfg.drafter, prompt_tokens=len(cfg.prompt),
                                lossy=cfg.spec.relaxed, overlap=cfg.overlap,
                                drafted_on_target=cfg.drafts_on_target)
         self.events: asyncio.Queue = asyncio.Queue()
-        self.drafts: dict[int, draft_pb2.DraftToken] = {}  # position -> token, ahead of self.seq
-        self.window_ends: list[draft_pb2.WindowEnd] = []
-        self.plain_until = 0  # the draft drafts nothing before this position: plain rounds, no waiting
-        self.epoch = 0  # the draft's epoch as of its last acknowledgement
-        self.unacked = 0
-        self.threshold: float | None = None
         self.draft_call = self.target_call = None
         self.target_status: tuple[grpc.StatusCode, str] | None = None  # what the target ended its call with
         self.tasks: list[asyncio.Task] = []
@@ -156,24 +152,27 @@ class RequestLoop:
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
         self.replies_due = 0  # Verified messages the outstanding verification (a plain run: each step) has yet to send
-        self.side: tuple[list[int], list[int]] = ([], [])  # the outstanding verification's tree side nodes
         self.sent_at = 0.0  # when the outstanding verification was sent
         self.overhead_s, self.overhead_n = 0.0, 0  # round trip beyond the forward, summed
         self.started = 0.0
+
+    @property
+    def seq(self) -> list[int]:
+        """The committed tokens, prompt first."""
+        return self.rounds.seq
 
     # -- public -----------------------------------------------------------------------------
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields each verification's newly emitted tokens; close() must follow."""
         self.started = time.perf_counter()
         await self._open()
-        chunk: list[draft_pb2.DraftToken] | None = None
+        chunk: Chunk | None = None  # the outstanding verification's
         out: list[int] = []  # emitted, not yet yielded
         while self.finish_reason is None:
             if chunk is None:
-                chunk = self._next_chunk()
+                chunk = self.rounds.next_chunk()
                 if chunk is not None:
-                    self.side = self._tree_side(len(self.seq), len(chunk))
-                    await self._send_verify(chunk, self._steps(chunk))
+                    await self._send_verify(chunk, self.rounds.steps(chunk, self.cfg.plain_runs))
             # Tokens go to the caller once the next verification is on its way, so the target
             # works while they stream, and as one batch when replies wait in the queue (a
             # plain run running ahead of a busy coordinator).
@@ -216,7 +215,8 @@ class RequestLoop:
         except TimeoutError:
             return "draft_stall", Unavailable(
                 f"draft service: nothing drafted within {self.cfg.draft_stall_s} s (at position "
-                f"{len(self.seq)}, {len(self.drafts)} drafts held, {self.unacked} commits unacknowledged)")
+                f"{len(self.seq)}, {len(self.rounds.drafts)} drafts held, {self.rounds.unacked} commits "
+                "unacknowledged)")
 
     async def close(self) -> None:
         """End both sessions; on a normal finish collect the draft's policy state."""
@@ -389,21 +389,13 @@ class RequestLoop:
             self._fall_back(client_message(msg, "draft"), "failed" if source == "draft_error" else "stalled")
             return
         kind = msg.WhichOneof("kind")
-        if kind == "token" and msg.token.epoch >= self.epoch and msg.token.position >= len(self.seq):
-            self.drafts[msg.token.position] = msg.token
-        elif kind == "window_end" and msg.window_end.epoch >= self.epoch:
-            self.window_ends.append(msg.window_end)
+        if kind == "token":
+            self.rounds.proposed(msg.token)
+        elif kind == "window_end":
             w = msg.window_end
-            if w.start == w.end and w.plain_rounds > 1:
-                self.plain_until = max(self.plain_until, w.start + w.plain_rounds)
-            if msg.window_end.HasField("relaxed_threshold"):
-                self.threshold = msg.window_end.relaxed_threshold
+            self.rounds.window_ended(w, w.relaxed_threshold if w.HasField("relaxed_threshold") else None)
         elif kind == "ack":
-            self.unacked -= 1
-            if msg.ack.epoch > self.epoch:  # the draft rolled back: what we hold is stale
-                self.epoch = msg.ack.epoch
-                self.drafts = {p: t for p, t in self.drafts.items() if t.epoch >= self.epoch}
-                self.window_ends = [w for w in self.window_ends if w.epoch >= self.epoch]
+            self.rounds.acknowledged(msg.ack.epoch)
 
     def _fall_back(self, reason: str, kind: str) -> None:
         """reason: a client-facing text (grpc_errors.client_message): it reaches the API as
@@ -411,108 +403,57 @@ class RequestLoop:
         if not self.stats.fallback:
             log.warning("falling back to target-only decoding: %s", reason)
         self.stats.fallback, self.stats.fallback_reason, self.stats.fallback_kind = True, reason, kind
-        self.drafts.clear()
-        self.window_ends.clear()
+        self.rounds.stop_drafting()
         if self.draft_call is not None:
             self.draft_call.cancel()
 
     # -- verification -------------------------------------------------------------------------
-    def _next_chunk(self) -> list[draft_pb2.DraftToken] | None:
-        """The drafts to verify now ([] = a plain decoding step), or None to wait for the draft."""
-        if self.draft_stub is None or self.stats.fallback:
-            return []
-        c = len(self.seq)
-        if c < self.plain_until:
-            return []  # a plain round the draft promised: its commits need no acknowledgement first
-        if self.cfg.overlap and c == len(self.cfg.prompt) and not self.drafts and not self.window_ends:
-            return []  # PEARL: the first token does not wait for the draft's prefill
-        if self.unacked:
-            return None
-        limit = self.cfg.max_length - 1 - c  # the target emits one token after the chunk
-        if limit <= 0:
-            return []  # the last token: nothing may be drafted, the draft waits
-        end = next((w.end for w in self.window_ends if w.start <= c < w.end or w.start == w.end == c), None)
-        if end is None and not self.cfg.overlap:
-            return None  # sequential: verify whole windows only
-        chunk = []
-        while c + len(chunk) in self.drafts and len(chunk) < limit and (end is None or c + len(chunk) < end):
-            chunk.append(self.drafts[c + len(chunk)])
-        if chunk or end is not None:
-            return chunk
-        return None
-
-    def _steps(self, chunk: list[draft_pb2.DraftToken]) -> int:
-        """Decoding steps to ask for: a plain run where no draft will be verified before its end
-        (the target alone, or the plain rounds the draft promised), else one."""
-        if chunk or not self.cfg.plain_runs:
-            return 1
-        c = len(self.seq)
-        until = self.cfg.max_length if self.draft_stub is None or self.stats.fallback else self.plain_until
-        return max(min(until, self.cfg.max_length) - c, 1)
-
-    def _tree_side(self, start: int, k: int) -> tuple[list[int], list[int]]:
-        """The side nodes of the window a chunk from `start` of k drafts is, when it is the whole
-        window and the draft grew it into a tree (specd.tree); a part of one verifies a chain."""
-        for w in self.window_ends:
-            if w.start == start and w.end == start + k and w.side_tokens:
-                return list(w.side_tokens), list(w.side_parents)
-        return [], []
-
-    async def _send_verify(self, chunk: list[draft_pb2.DraftToken], steps: int = 1) -> None:
+    async def _send_verify(self, chunk: Chunk, steps: int = 1) -> None:
         self.verify_id += 1
         self.replies_due = steps
-        msg = target_pb2.Verify(verify_id=self.verify_id, tokens=[t.token for t in chunk],
-                                probs=[t.prob for t in chunk], relaxed=self.cfg.spec.relaxed,
+        drafts = chunk.drafts
+        msg = target_pb2.Verify(verify_id=self.verify_id, tokens=[t.token for t in drafts],
+                                probs=[t.prob for t in drafts], relaxed=self.cfg.spec.relaxed,
                                 steps=steps if steps > 1 else 0)
-        if self.cfg.send_distributions and chunk:
-            msg.distributions.extend(t.q for t in chunk)
-        if self.threshold is not None and self.cfg.spec.relaxed:
-            msg.relaxed_threshold = self.threshold
-        if self.side[0]:
-            msg.side_tokens.extend(self.side[0])
-            msg.side_parents.extend(self.side[1])
-        elif chunk and not self.stats.fallback:
+        if self.cfg.send_distributions and drafts:
+            msg.distributions.extend(t.q for t in drafts)
+        if self.rounds.threshold is not None and self.cfg.spec.relaxed:
+            msg.relaxed_threshold = self.rounds.threshold
+        if chunk.side_tokens:
+            msg.side_tokens.extend(chunk.side_tokens)
+            msg.side_parents.extend(chunk.side_parents)
+        elif drafts and not self.stats.fallback:
             msg.top_logprobs = self.cfg.top_logprobs
         self.sent_at = time.perf_counter()
         await self._write_target(target_pb2.TargetRequest(verify=msg))
 
-    async def _on_verified(self, msg, chunk: list[draft_pb2.DraftToken]) -> list[int]:
+    async def _on_verified(self, msg, chunk: Chunk) -> list[int]:
         if msg.WhichOneof("kind") != "verified":
             raise Unavailable("target service ended the session")
         v = msg.verified
-        n, k = v.num_accepted, len(chunk) + v.drafted  # drafted: the target's own window
         if not v.prefill_seconds and self.sent_at:  # the first reply also waited for the prompt's prefill
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
         self.sent_at = 0.0  # a plain run's later steps were not asked for one by one
-        side = len(self.side[0])
-        # a tree's path, or the target's own drafts
-        accepted = list(v.accepted_tokens) if side or v.drafted else [t.token for t in chunk[:n]]
-        tokens = accepted + [v.next_token]
-        self._record(k, n, v, [t.entropy for t in chunk], side)
-        start = len(self.seq)
-        ahead = self.drafts.get(start + n) if n == k and not side else None
-        if ahead is not None and ahead.token == v.next_token:
-            self.stats.continuations_kept += 1  # PEARL: the next window's first draft was the bonus
-        emitted, self.finish_reason = commit_tokens(tokens, start, self.cfg.eos, self.cfg.max_length)
-        self.seq += emitted
+        side = len(chunk.side_tokens)
+        c = self.rounds.verified(chunk, v.num_accepted, v.next_token, drafted=v.drafted,
+                                 accepted_tokens=v.accepted_tokens)
+        self._record(c.k, c.n, v, [t.entropy for t in chunk.drafts], side)
+        self.stats.continuations_kept += c.continuation_kept  # PEARL: the next window's first draft was the bonus
+        self.finish_reason = c.finish_reason
         if self.cfg.logprobs is not None:
-            if len(v.emitted_logprobs) < len(emitted):
+            if len(v.emitted_logprobs) < len(c.emitted):
                 raise Unavailable("target service returned no log-probabilities (an older version?)")
             self.logprobs += [TokenLogprob(e.logprob, tuple(e.top_ids), tuple(e.top_logprobs))
-                              for e in v.emitted_logprobs[:len(emitted)]]
-        for pos in range(start, start + len(tokens)):
-            self.drafts.pop(pos, None)
-        self.window_ends = [w for w in self.window_ends if w.end > len(self.seq) or w.start == w.end == len(self.seq)]
-        if self.finish_reason is None and self.draft_stub is not None and not self.stats.fallback:
+                              for e in v.emitted_logprobs[:len(c.emitted)]]
+        if c.notify:
             self.commit_id += 1
-            self.unacked += 1
             await self._write_draft(draft_pb2.DraftRequest(commit=draft_pb2.Commit(
-                commit_id=self.commit_id, tokens=tokens, num_verified=k, num_strict=v.num_strict,
+                commit_id=self.commit_id, tokens=c.tokens, num_verified=c.k, num_strict=v.num_strict,
                 js_distances=v.js_distances, top_logprobs=v.top_logprobs, features=v.features,
-                other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - k - side - 1, 0),
+                other_sessions=max(v.batch_size - 1, 0), other_tokens=max(v.batch_tokens - c.k - side - 1, 0),
                 side_nodes=side)))
-        return emitted
+        return c.emitted
 
     def _record(self, k: int, n: int, v: target_pb2.Verified, entropies: Sequence[float] = (), side: int = 0) -> None:
         s = self.stats

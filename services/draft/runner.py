@@ -32,6 +32,7 @@ from specd.dvi import Record
 from specd.errors import InvalidRequest
 from specd.policies import Decision, StoppingPolicy
 from specd.sampling import request_generator
+from specd.speculation.pace import PaceClock
 from specd.tree import TreePlanner
 from specd.types import DraftStep, RoundOutcome, SamplingParams
 
@@ -133,7 +134,7 @@ class DraftRunner:
         self.num_drafted = 0
         self.draft_seconds = 0.0
         self.generator = request_generator(sampling)
-        self.last_commit_at: float | None = None  # the measured pace times commit to commit
+        self.pace = PaceClock(policy)  # rounds timed commit to commit (specd.speculation.pace)
         self.load_caps = load_caps
         self.sessions = 1  # in the target forward that verified this session's last chunk
         self.plain_until = 0  # no drafting before this position: a stretch of plain rounds promised
@@ -313,14 +314,9 @@ class DraftRunner:
         Nor is the first round of a stretch of plain rounds: it paid the round trip to ask this
         service, which the stretch's others skip (the target runs them back to back), so they
         alone time what a plain stretch costs a token."""
-        now = time.perf_counter()
         window = next((w for w in self.windows if w.start == start), None)
-        if self.last_commit_at is not None and (window is None or window.stretch <= 1):
-            if window is not None:
-                self.policy.observe_pace(tokens, now - self.last_commit_at, not window.gated)
-            elif start < self.plain_until:  # a promised plain round has no window of its own
-                self.policy.observe_pace(tokens, now - self.last_commit_at, False)
-        self.last_commit_at = now
+        timed = (window is not None and window.stretch <= 1) or (window is None and start < self.plain_until)
+        self.pace.commit(tokens, window is not None and not window.gated, timed)
 
     def _cut_open_window(self, at: int) -> None:
         """End the window being drafted at position `at` (now committed), without a WindowEnd:

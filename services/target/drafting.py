@@ -1,7 +1,7 @@
 """A target session's own drafting (OpenTarget.speculate): a lookup drafter (ngram, retrieval)
 drafts each window on the target, between its forwards, under the request's stopping policy,
 so that a round needs no round trip to a draft service (docs/services.md, "Drafting on the
-target"). A window is drafted by specd.round.draft_window, as in the in-process engine.
+target"). A window is drafted by specd.speculation.round.draft_window, as in the in-process engine.
 
 Everything here runs on the service's event loop, between forwards: the verdict of a window
 (judged on the compute thread) is kept by `judged` and observed by the policy before the next
@@ -9,7 +9,6 @@ window is drafted."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from specd.costs import CostCurve, LoadFit
@@ -17,7 +16,8 @@ from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.grammar import Grammar
 from specd.policies import NO_SPECULATION, PolicyResources, check_spec, policy_class, request_policy
-from specd.round import DraftedWindow, draft_window
+from specd.speculation.pace import PaceClock
+from specd.speculation.round import DraftedWindow, draft_window
 from specd.sampling import request_generator
 from specd.types import SamplingParams, SpecParams
 from specd.verify import Verdict
@@ -62,7 +62,7 @@ class LocalDrafting:
         self.window = DraftedWindow()
         self.verdict: tuple[int, Verdict] | None = None  # (committed before it, the window's verdict), unobserved
         self.load: tuple[int, int, int] | None = None  # the last forward's other sessions, their tokens, what they emitted
-        self.round_started: float | None = None
+        self.pace = PaceClock(self.policy)  # rounds timed start to start (specd.speculation.pace)
         self.emitted = 0  # tokens the last round emitted
         self.num_drafted = 0
         self.grammar_drafted = 0  # of those, drafts the grammar forced (structured output)
@@ -72,10 +72,8 @@ class LocalDrafting:
         """Start a round: the window after the committed tokens seq (seq itself is kept); where
         the session's grammar forces what follows, those tokens, with no drafter call."""
         self.settle()
-        now = time.perf_counter()
-        if self.round_started is not None:  # the last round, from its drafting to this one's
-            self.policy.observe_pace(self.emitted, now - self.round_started, self.window.ran)
-        self.round_started = now
+        self.pace.commit(self.emitted, self.window.ran)  # the last round, from its drafting to now
+        self.pace.start()
         cap = min(self.policy.params.max_draft_tokens, self.max_length - len(seq) - 1)
         forced = grammar.forced(cap) if grammar is not None else []
         if forced:  # no policy step to observe: the next settle finds an empty window

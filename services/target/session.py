@@ -17,7 +17,7 @@ from specd.runtime.loading import LoadedModel
 from specd.grammar import Grammar
 from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
 from specd.penalties import check_logit_bias
-from specd.round import judged_window
+from specd.speculation.round import judged_window
 from specd.sampling import request_generator
 from specd.tree import DraftTree, verify_tree
 from specd.types import SamplingParams, SpecParams

@@ -284,7 +284,7 @@ def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_d
 
 
 class VirtualClock:
-    """Time for the engine's timers (`time.perf_counter` in specd.engine and specd.round) that
+    """Time for the engine's timers (`time.perf_counter` in specd.engine and specd.speculation.round) that
     passes only as a test says: what a drafted token and a forward cost on its cost curve, so
     that what cost-aware measures does not depend on how loaded the machine is."""
 
@@ -341,13 +341,15 @@ def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_reques
     (so the prior believes it). Within the one request cost-aware learns it: after a few windows
     it drafts none (plain steps) or at most one token, and the output is the target alone's."""
     import specd.engine
-    import specd.round
+    import specd.speculation.pace
+    import specd.speculation.round
 
     step = 2 * t_draft or 0.01  # the curve's one-token forward
     curve = CostCurve(t_draft, list(range(1, 18)), [step * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
     clock = VirtualClock()
     monkeypatch.setattr(specd.engine, "time", clock)
-    monkeypatch.setattr(specd.round, "time", clock)
+    monkeypatch.setattr(specd.speculation.round, "time", clock)
+    monkeypatch.setattr(specd.speculation.pace, "time", clock)
     open_session = tiny_target.session
 
     def session():  # each forward takes what the curve says

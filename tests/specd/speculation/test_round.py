@@ -1,11 +1,11 @@
-"""The round's shared steps (specd.round, specd.stats, specd.types, specd.policies), which the
+"""The round's shared steps (specd.speculation.round, specd.stats, specd.types, specd.policies), which the
 engine and the services both call."""
 
 import pytest
 
 from specd.errors import InvalidRequest
 from specd.policies import PolicyResources, check_drafter, check_spec, request_policy
-from specd.round import commit_tokens
+from specd.speculation.round import commit_tokens
 from specd.sampling import request_generator
 from specd.stats import GenerationStats
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams

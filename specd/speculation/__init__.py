@@ -1,0 +1,23 @@
+"""The speculative round, read top to bottom (docs/engine.md, "The round"):
+
+1. `round.draft_window`: a drafter proposes a window under a stopping policy, which decides
+   after every token (specd.policies); `should_draft` may make it a plain step (k = 0).
+2. `round.judged_window`, then specd.verify (chains) or specd.tree (trees): the target's
+   logits for the window, with penalties and grammar applied, give a *verdict*.
+3. `round.commit_tokens`: the verdict's tokens appended, cut at EOS or the length; stop
+   strings cut the text after (specd.detok).
+4. Feedback: the policy observes the window's outcome (`DraftedWindow.outcome`,
+   RoundOutcome.judged) and the round's time (`pace.PaceClock`, one clock for every driver);
+   costs are fed to the process's cost model (specd.cost_model).
+
+Across a transport, the draft's tokens arrive by position and epoch and windows are verified
+in chunks: `sequencer.Sequencer` decides what the target verifies next and what each verdict
+commits, with PEARL's overlap, promised plain rounds and rollbacks.
+
+Who moves these steps' events:
+- in process, `specd.engine.GenerationRun`: draft, verify, commit, one after the other;
+- across the services, `services.coordinator.loop.RequestLoop` (streams, timeouts, fallback)
+  around a `Sequencer`, with `services.draft.runner.DraftRunner` drafting windows ahead;
+- drafting on the target, `services.target.drafting.LocalDrafting`: `draft_window` between the
+  target's forwards, its verdicts judged in the batched step (services.common.batcher).
+"""
