@@ -105,9 +105,10 @@ def use_pool(target, s: TargetSettings, graphs_allowed: bool = True, tp=None) ->
     log.info("target %s (%s) on specd's runtime: KV pool of %d slots x %d positions, %.2f GiB", target.name,
              target.model.config.model_type, pool.num_slots, pool.max_len,
              pool.k.numel() * pool.k.element_size() * 2 / 2**30)
-    if graphs:
+    if graphs:  # every bucket, before serving: a running server never captures one
         seconds = capture_graphs(pool.runner, fallback=s.cuda_graphs == "auto")
-        log.info("CUDA graphs captured in %.1f s", seconds)
+        pool.runner.lazy = False
+        log.info("%d CUDA graphs captured in %.1f s", len(pool.runner.graphs), seconds)
     elif pool.runner is not None:
         log.info("target forwards compiled for the CPU: %s", pool.runner.path)
 

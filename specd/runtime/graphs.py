@@ -13,9 +13,12 @@ only the pool's trash slot and column, and are masked out), and runs eagerly whe
 tree's custom mask). A prompt's prefill runs alone (one row) and is wider than any window:
 one-row buckets of 32 to 512 columns hold it, since eagerly its thirty layers are launched one
 kernel at a time, and on a serving GPU every other session waits for it.
-Graphs are captured lazily on a bucket's first use, and `capture` captures a set at start-up
-so that a running server never pays for one. All graphs share one memory pool: they replay one
-at a time, on the pool's compute thread.
+`capture` captures every bucket a forward can meet (`keys`) at start-up, which the target
+service does before it serves and then turns `lazy` off: a running server never captures, and
+a forward with no graph (none should have none) runs eagerly and is counted in `missed`.
+One-shot commands (`specd generate`, `specd bench`) keep `lazy` on and capture a bucket on its
+first use instead. All graphs share one memory pool: they replay one at a time, on the pool's
+compute thread.
 """
 
 from __future__ import annotations
@@ -54,6 +57,22 @@ def pick_bucket(tables: Sequence[Sequence[int]], sizes: Sequence[int]) -> tuple[
     return tuple(found)
 
 
+def bucket_of(batches: Sequence[int], widths: Sequence[int], prefill_widths: Sequence[int],
+              spans: Sequence[int], batch: int, width: int, span: int) -> tuple[int, int, int] | None:
+    """The smallest (B, T, S) of these tables holding a forward of `batch` rows of `width` new
+    tokens over `span` keys, or None; one row may take a prefill width."""
+    row_widths = tuple(widths) + tuple(prefill_widths) if batch == 1 else widths
+    return pick_bucket((batches, row_widths, spans), (batch, width, span))
+
+
+def all_keys(batches: Sequence[int], widths: Sequence[int], prefill_widths: Sequence[int],
+             spans: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Every bucket bucket_of can give: each batch x window width x span, and one row of each
+    prefill width at each span that holds it (a forward's span counts its new tokens)."""
+    keys = [(b, w, s) for s in spans for b in batches for w in widths]
+    return keys + [(1, w, s) for w in prefill_widths for s in spans if s >= w]
+
+
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, flat: torch.Tensor, output: torch.Tensor):
         self.graph, self.flat, self.output = graph, flat, output  # flat: the static inputs (pool.unpack)
@@ -79,6 +98,8 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
+        self.lazy = True  # capture a bucket on its first use (off once `capture` has taken every key)
+        self.captures = self.missed = 0  # graphs captured; forwards a bucket held but no graph had
         pool.runner = self
 
     def invalidate(self) -> None:
@@ -94,8 +115,11 @@ class GraphRunner:
     def bucket(self, batch: int, width: int, span: int) -> tuple[int, int, int] | None:
         """The smallest (B, T, S) holding a forward, or None when none does; one row wider than
         a window takes a prefill width."""
-        widths = self.row_widths if batch == 1 else self.widths
-        return pick_bucket((self.batches, widths, self.spans), (batch, width, span))
+        return bucket_of(self.batches, self.widths, self.prefill_widths, self.spans, batch, width, span)
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every bucket a forward can be given (all_keys)."""
+        return all_keys(self.batches, self.widths, self.prefill_widths, self.spans)
 
     def run(self, rows: Sequence[PoolRow], width: int, span: int) -> tuple[torch.Tensor, int] | None:
         """hidden [B', T', H] of rows (padded; row b's columns first) and the width T'; None when
@@ -104,7 +128,13 @@ class GraphRunner:
         if key is None:
             self.eager += 1
             return None
-        graph = self.graphs.get(key) or self._capture(key)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if not self.lazy:
+                self.missed += 1
+                self.eager += 1
+                return None
+            graph = self._capture(key)
         # the whole forward's inputs in one host-to-device copy, which does not wait for the device
         self.pool.to_device(self.pool.pack(rows, key[0], key[1]), graph.flat)
         graph.graph.replay()
@@ -126,15 +156,13 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.mempool):
             output = self.pool.hidden(static)
         self.graphs[key] = _Graph(graph, flat, output)
+        self.captures += 1
         return self.graphs[key]
 
     def capture(self, keys: Sequence[tuple[int, int, int]] | None = None,
                 progress: Callable[[str], None] | None = None) -> float:
-        """Capture the given buckets (default every batch x width at the shortest span, and each
-        prefill width at the shortest span that holds it) now; the seconds it took."""
-        keys = list(keys) if keys is not None else (
-            [(b, w, self.spans[0]) for b in self.batches for w in self.widths]
-            + [self.bucket(1, w, w) for w in self.prefill_widths])
+        """Capture the given buckets (default: every one, `keys`) now; the seconds it took."""
+        keys = list(keys) if keys is not None else self.keys()
         t0 = time.perf_counter()
         for i, key in enumerate(keys):
             if key not in self.graphs:

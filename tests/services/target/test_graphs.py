@@ -54,3 +54,19 @@ def test_compiled_asked_for_by_name_fails_to_start_where_compiling_fails(monkeyp
     target = _on_cuda(3, "tiny")
     with pytest.raises(RuntimeError, match="no compiler here"):
         use_pool(target, TargetSettings(port=0, kv_slots=2, kv_max_len=128, cuda_graphs="compiled"))
+
+
+def test_start_up_captures_every_bucket_and_serving_captures_none():
+    target = _on_cuda(4, "tiny")
+    use_pool(target, TargetSettings(port=0, kv_slots=4, kv_max_len=600, cuda_graphs="on"))
+    runner = target.pool.runner
+    assert not runner.lazy and set(runner.graphs) == set(runner.keys()) and runner.captures == len(runner.keys())
+    sessions = [target.session() for _ in range(3)]
+    sessions[0].extend(list(range(5, 305)), 1)  # a prompt's prefill in a prefill bucket, past 256 keys
+    for s in sessions[1:]:
+        s.extend([5, 9, 14, 20], 1)
+    for width in (1, 3, 9, 17):  # windows, one session at a time
+        for s in sessions:
+            s.extend(list(range(7, 7 + width)), width)
+            s.rollback(s.length - width + 1)
+    assert runner.captures == len(runner.keys()) and runner.missed == 0 and runner.replays > 0

@@ -16,7 +16,10 @@ from specd.runtime.graphs import (
     BATCH_BUCKETS,
     PREFILL_WIDTHS,
     WIDTH_BUCKETS,
+    SPAN_BUCKETS,
     GraphRunner,
+    all_keys,
+    bucket_of,
     buckets_up_to,
     pick_bucket,
 )
@@ -184,12 +187,33 @@ def test_buckets_take_the_smallest_that_holds_a_forward():
 def test_a_prompts_prefill_alone_takes_a_prefill_width_and_a_batch_never_does():
     # slots of fewer than 512 positions: the widest prefill bucket is left out
     runner = SimpleNamespace(batches=(1, 2, 4), widths=WIDTH_BUCKETS, spans=(256, 512, 1024),
-                             row_widths=WIDTH_BUCKETS + PREFILL_WIDTHS[:4])
+                             prefill_widths=PREFILL_WIDTHS[:4])
     assert GraphRunner.bucket(runner, 1, 40, 40) == (1, 64, 256)
     assert GraphRunner.bucket(runner, 1, 200, 300) == (1, 256, 512)
     assert GraphRunner.bucket(runner, 1, 5, 300) == (1, 6, 512)  # a window keeps its own widths
     assert GraphRunner.bucket(runner, 2, 40, 40) is None  # several rows: eager, as before
     assert GraphRunner.bucket(runner, 1, 300, 300) is None  # wider than the widest: eager
+
+
+def test_start_up_keys_hold_every_forward_a_bucket_takes():
+    """What the target captures at start-up (all_keys) holds the bucket of every forward a
+    running server can give the graphs: any rows up to the largest batch, any window width, a
+    prompt's prefill in one row, any span up to the pool's length; nothing else is captured."""
+    batches, spans = buckets_up_to(BATCH_BUCKETS, 12), buckets_up_to(SPAN_BUCKETS, 3000)
+    widths, prefill = WIDTH_BUCKETS, PREFILL_WIDTHS
+    keys = all_keys(batches, widths, prefill, spans)
+    assert len(keys) == len(set(keys)) == len(batches) * len(widths) * len(spans) + sum(
+        s >= w for w in prefill for s in spans)
+    taken = set()
+    for batch in range(1, 13):
+        for width in range(1, (prefill[-1] if batch == 1 else widths[-1]) + 1):
+            for span in {width, width + 1, 255, 256, 257, 1000, 2048, 2049, 3000}:
+                if span < width or span > spans[-1]:
+                    continue
+                key = bucket_of(batches, widths, prefill, spans, batch, width, span)
+                assert key in keys, (batch, width, span, key)
+                taken.add(key)
+    assert taken == set(keys)  # and every key captured is one some forward takes
 
 
 def test_a_prompt_padded_to_a_prefill_width_prefills_as_unpadded(pooled, lean):
