@@ -174,7 +174,18 @@ def measure_batch_surface(target, max_batch: int, repeats: int = 3) -> tuple[lis
     finally:
         for s in sessions:
             s.close()
-    every = range(1, max(len(sessions), 1) + 1)
+    return surface_from_points(points, steps, tokens, max(len(sessions), 1))
+
+
+def surface_from_points(points: list[int], steps: list[float], tokens: list[float],
+                        sessions: int) -> tuple[list[float], list[float]]:
+    """The surface for 1..sessions from its measured points: a forward of one token a session,
+    and each further token, never cheaper for more sessions (a forward that carries more
+    tokens is no faster, and its further tokens are no cheaper), so a point that another
+    process slowed or sped up cannot make further tokens look free under load; interpolated
+    between the points."""
+    steps, tokens = np.maximum.accumulate(steps), np.maximum.accumulate(tokens)
+    every = range(1, sessions + 1)
     return [float(t) for t in np.interp(every, points, steps)], [float(t) for t in np.interp(every, points, tokens)]
 
 

@@ -232,6 +232,25 @@ def test_the_batched_cost_surface_times_each_forward_until_its_result_exists(tin
     assert forwards and len(settled) == len(forwards)
 
 
+def test_a_disturbed_point_of_the_surface_never_makes_further_tokens_free_under_load():
+    """A start-up surface measured on the 2-core EPYC while another process ran (ms): its 8-session
+    forward read slower than its 16-session one, and the 8 further tokens at 8 sessions no
+    slower than none, so cost-aware priced windows at 8 sessions as free, drafted 4-5 tokens a
+    session and was 0.59x the target alone at 8 clients. Each point now costs at least what
+    fewer sessions did."""
+    from services.common import batcher
+
+    ms = 1e-3
+    points = [1, 2, 4, 8, 16]
+    steps, tokens = batcher.surface_from_points(points, [17.97 * ms, 18.07 * ms, 18.64 * ms, 49.5 * ms, 44.1 * ms],
+                                                [0.81 * ms, 1.61 * ms, 1.38 * ms, 0.0, 2.27 * ms], 16)
+    assert len(steps) == len(tokens) == 16
+    assert all(b >= a for a, b in zip(steps, steps[1:])) and all(b >= a for a, b in zip(tokens, tokens[1:]))
+    assert tokens[7] == pytest.approx(1.61 * ms) and tokens[3] == pytest.approx(1.61 * ms)  # not 0 and 1.38
+    assert steps[15] == pytest.approx(49.5 * ms) and tokens[15] == pytest.approx(2.27 * ms)
+    assert steps[0] == pytest.approx(17.97 * ms) and tokens[0] == pytest.approx(0.81 * ms)  # measured points stay
+
+
 def test_a_served_forward_is_timed_until_its_verdicts_exist(pooled):
     """Its seconds (the decode cost, the verify-seconds histogram, and the forward the
     coordinator subtracts from a round trip to find its overhead) run to the verdicts: a GPU
