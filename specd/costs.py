@@ -81,6 +81,7 @@ class CostCurve:
         self._ks = [float(k) for k in self.ks]
         self._ts = [float(t) for t in self.t_target_k]
         self._surface: tuple[float, float, float] | None = None  # (sessions, base, per_token) last asked
+        self._reference: tuple | None = None  # (the load it was chosen at, whether the plain steps' forward prices)
         # The unscaled curve at each window size asked: a policy asks the same few sizes many
         # times a round, and only `scale` moves while serving.
         self._at: dict[float, float] = {}
@@ -123,15 +124,16 @@ class CostCurve:
     def loaded(self) -> bool:
         return self.others[0] > 0 and bool(self.batch_seconds)
 
-    def loaded_time(self, draft_len: int) -> float:
-        """round_time(draft_len) in a forward shared with the others (round_time when alone)."""
+    def loaded_time(self, draft_len: int, plain_others: bool = False) -> float:
+        """round_time(draft_len) in a forward shared with the others (round_time when alone);
+        plain_others: as if each of them fed one token (a plain step)."""
         if not self.loaded():
             return self.round_time(draft_len)
         sessions, tokens = self.others
         if self._surface is None or self._surface[0] != sessions:  # `others` moves once a round
             self._surface = (sessions, *surface_at(self.batch_seconds, self.batch_token_seconds, 1.0 + sessions))
         _, base, per_token = self._surface
-        extra = max(tokens - sessions, 0.0) + draft_len  # tokens beyond one per session
+        extra = (0.0 if plain_others else max(tokens - sessions, 0.0)) + draft_len  # tokens beyond one per session
         a, b = (self.fit.a, self.fit.b) if self.fit is not None else (1.0, 1.0)
         return draft_len * self.t_draft + self.scale * (a * base + b * extra * per_token) + self.overhead
 
@@ -140,11 +142,30 @@ class CostCurve:
         tokens (and that spent `spent` more seconds), counting what the other sessions in the same
         forward emit: one token each where that is all that is known (their plain steps), else
         what they were seen to emit (their accepted drafts too: a slower forward delays those as
-        well)."""
+        well).
+
+        The forward is priced as it is, or as it would be with every other session taking a plain
+        step, whichever of the two emits more per second without this round's drafts: a drafted
+        token must earn at least what the forward's time earns when nobody drafts. Priced only
+        as it is, the others' drafts that did not pay slow the forward and so lower the bar for
+        this session's, and every session's windows then grow together (on the 2-core EPYC, 16
+        clients: 33% of drafts accepted and forwards of 2.6 times the tokens)."""
         if not self.loaded():  # a policy asks several times per drafted token: the short way
             return expected / (self.round_time(draft_len) + spent)
-        others = self.others[0] if self.others_yield is None else self.others_yield
+        sessions = self.others[0]
+        others = sessions if self.others_yield is None else self.others_yield
+        plain = self._plain_reference(sessions, others)
+        if plain:
+            return (expected + sessions) / (self.loaded_time(draft_len, plain_others=True) + spent)
         return (expected + others) / (self.loaded_time(draft_len) + spent)
+
+    def _plain_reference(self, sessions: float, others: float) -> bool:
+        """Whether the forward with the others' plain steps emits more per second than it does now."""
+        key = (self.others, others, self.scale, self.fit.forwards if self.fit is not None else -1)
+        if self._reference is None or self._reference[0] != key:
+            now = (1.0 + others) / self.loaded_time(0)
+            self._reference = (key, (1.0 + sessions) / self.loaded_time(0, plain_others=True) > now)
+        return self._reference[1]
 
     def observe_load(self, other_sessions: int, other_tokens: int, other_yield: int | None = None) -> None:
         """The forward that verified the last window carried this many other sessions and tokens
