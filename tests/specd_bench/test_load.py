@@ -153,3 +153,13 @@ def test_a_logprobs_mode_asks_for_them_and_is_compared_with_its_plain_mode():
     doc = {"settings": {"limit": 1, "dataset": "x.jsonl", "max_tokens": 8, "temperature": 0.0},
            "machine": "m", "server": "s", "summary": {}, "compare": {"c1": cmp}, "requests": {}}
     assert "c1 cost-aware+logprobs vs cost-aware: 0.8x" in bench_load.report(doc)
+
+
+def test_a_request_is_stored_to_the_microsecond_and_its_gaps_to_a_tenth_of_a_millisecond():
+    from specd_bench.load import Result, stored
+
+    r = Result(prompt=3, mode="none", level="c8", repeat=1, start=0.0015585800000508243, ttft=0.6151226569999153,
+               e2e=6.937562084999968, tokens=2, chunk_gaps=[0.5096626510000988, 0.07632459199999175])
+    out = stored(r)
+    assert (out["start"], out["ttft"], out["e2e"]) == (0.001559, 0.615123, 6.937562)
+    assert out["chunk_gaps"] == [0.5097, 0.0763] and out["prompt"] == 3 and out["tokens"] == 2
