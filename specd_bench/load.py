@@ -400,6 +400,19 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
             "requests": {lvl: {m: [stored(r) for r in rs] for m, rs in by.items()} for lvl, by in cells.items()}}
 
 
+def results_text(doc: dict) -> str:
+    """results.json: indented, but each request's record on one line (the file's bulk)."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "requests"}, indent=1)
+    if "requests" not in doc:
+        return head
+    cells = ",\n".join(
+        f"  {json.dumps(level)}: {{" + ", ".join(
+            f"{json.dumps(mode)}: [\n" + ",\n".join("   " + json.dumps(r) for r in records) + "\n  ]"
+            for mode, records in modes.items()) + "}"
+        for level, modes in doc["requests"].items())
+    return head[:-2] + ',\n "requests": {\n' + cells + "\n }\n}"
+
+
 def stored(result) -> dict:
     """A request's record as results.json keeps it: its times to the microsecond, the gaps
     between its chunks to the tenth of a millisecond (the file's bulk)."""
@@ -620,7 +633,7 @@ def cmd_bench_load(args) -> int:
     if costs is not None:
         doc["target_costs"] = costs
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (args.out / "results.json").write_text(results_text(doc))
     (args.out / "report.md").write_text(report(doc))
     written = [args.out / "results.json", args.out / "report.md", *plots(doc, args.out)]
     print(report(doc))

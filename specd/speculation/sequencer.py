@@ -10,8 +10,8 @@ answers, whenever the target is free:
   window they belong to ([]: a plain step; None: wait for the draft). Sequential, a chunk is a
   whole window once it has ended; with overlap (PEARL) a window still being drafted goes as far
   as it goes, and the first token does not wait for the draft's prefill.
-- `steps`: how many plain steps the target may run back to back for it, where no draft will be
-  verified before their end (the target alone, or the plain rounds the draft promised).
+- `steps`: how many windows of k = 0 the target may run back to back for it, where no draft
+  will be verified before their end (the target alone, or the plain rounds the draft promised).
 - `verified`: a verdict's tokens committed (EOS and length cut them, specd.speculation.round),
   the drafts it settled forgotten, and whether the draft must be told (a commit it acknowledges
   with its epoch; until then no chunk is sent, unless the draft promised plain rounds).
@@ -129,17 +129,17 @@ class Sequencer:
                 return tuple(w.side_tokens), tuple(w.side_parents)
         return (), ()
 
-    def steps(self, chunk: Chunk, plain_runs: bool) -> int:
-        """Decoding steps to ask for: a plain run where no draft will be verified before its end
-        (plain_runs: the target can run one), else one."""
-        if chunk.drafts or not plain_runs:
+    def steps(self, chunk: Chunk, back_to_back: bool) -> int:
+        """Decoding steps to ask for: for an empty chunk, every step up to the next draft to
+        verify (back_to_back: the target can run several for one request), else one."""
+        if chunk.drafts or not back_to_back:
             return 1
         until = self.max_length if not self.drafting else self.plain_until
         return max(min(until, self.max_length) - len(self.seq), 1)
 
     def verified(self, chunk: Chunk, num_accepted: int, next_token: int, *, drafted: int = 0,
                  accepted_tokens: Sequence[int] = ()) -> Committed:
-        """Commit a verdict of `chunk` (or of one step of its plain run). drafted: drafts the
+        """Commit a verdict of `chunk` (or of one of its steps run back to back). drafted: drafts the
         target drafted itself for it; accepted_tokens: the accepted path where it is not the
         chunk's leading drafts (a tree's path, or the target's own drafts)."""
         n, k = num_accepted, len(chunk.drafts) + drafted

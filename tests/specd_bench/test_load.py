@@ -163,3 +163,17 @@ def test_a_request_is_stored_to_the_microsecond_and_its_gaps_to_a_tenth_of_a_mil
     out = stored(r)
     assert (out["start"], out["ttft"], out["e2e"]) == (0.001559, 0.615123, 6.937562)
     assert out["chunk_gaps"] == [0.5097, 0.0763] and out["prompt"] == 3 and out["tokens"] == 2
+
+
+def test_results_json_reads_back_as_written_with_a_line_per_request():
+    import json
+
+    from specd_bench.load import results_text
+
+    doc = {"summary": {"c1": {"none": 1.5}}, "requests": {"c1": {"none": [{"prompt": 0, "chunk_gaps": [0.1]},
+                                                                      {"prompt": 1, "chunk_gaps": []}],
+                                                             "cost-aware": []}, "c8": {"none": []}}}
+    text = results_text(doc)
+    assert json.loads(text) == doc
+    assert '   {"prompt": 1, "chunk_gaps": []}' in text.splitlines()
+    assert json.loads(results_text({"summary": {}})) == {"summary": {}}

@@ -69,7 +69,7 @@ def test_promised_plain_rounds_need_no_acknowledgement_and_run_back_to_back():
     s = seq()
     s.window_ended(end(3, 3, plain_rounds=3))
     chunk = s.next_chunk()
-    assert chunk.drafts == [] and s.steps(chunk, plain_runs=True) == 3 and s.steps(chunk, plain_runs=False) == 1
+    assert chunk.drafts == [] and s.steps(chunk, back_to_back=True) == 3 and s.steps(chunk, back_to_back=False) == 1
     s.verified(chunk, 0, 5)
     assert s.next_chunk().drafts == []  # unacknowledged, but a promised plain round
     s.verified(s.next_chunk(), 0, 6)
@@ -98,7 +98,7 @@ def test_without_a_draft_every_chunk_is_a_plain_run_to_the_end():
     s.proposed(tok(3, 7))
     s.stop_drafting()  # the draft service died
     chunk = s.next_chunk()
-    assert chunk.drafts == [] and s.steps(chunk, plain_runs=True) == 20 - 3
+    assert chunk.drafts == [] and s.steps(chunk, back_to_back=True) == 20 - 3
     assert not s.verified(chunk, 0, 5).notify
 
 
