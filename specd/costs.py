@@ -148,8 +148,8 @@ class CostCurve:
         step, whichever of the two emits more per second without this round's drafts: a drafted
         token must earn at least what the forward's time earns when nobody drafts. Priced only
         as it is, the others' drafts that did not pay slow the forward and so lower the bar for
-        this session's, and every session's windows then grow together (on the 2-core EPYC, 16
-        clients: 33% of drafts accepted and forwards of 2.6 times the tokens)."""
+        this session's, and every session's windows then grow together (docs/engine.md, "The
+        plain forward as the reference")."""
         if not self.loaded():  # a policy asks several times per drafted token: the short way
             return expected / (self.round_time(draft_len) + spent)
         sessions = self.others[0]
