@@ -339,7 +339,7 @@ def services(args, clock: Clock, results: dict) -> None:
     found = out / "results.json"
     if found.exists():
         doc = json.loads(found.read_text())
-        results["services"].update({k: doc.get(k) for k in ("machine", "server", "summary", "compare")})
+        results["services"].update({k: doc.get(k) for k in ("machine", "server", "startup", "summary", "compare")})
 
 
 def main(argv=None) -> int:

@@ -400,6 +400,19 @@ async def run(args, url: str, bodies: list[dict], modes: list[str], memory=lambd
             "requests": {lvl: {m: [stored(r) for r in rs] for m, rs in by.items()} for lvl, by in cells.items()}}
 
 
+STARTUP_MARKS = ("KV pool of", "CUDA graphs captured", "target forwards compiled", "compiled the CPU forward")
+
+
+def startup_lines(log: str) -> list[str]:
+    """What a target's log says of its start-up: its KV pool, the CUDA graphs it captured and
+    how long that took, its compiled CPU forwards (each line's message, after the level)."""
+    out = []
+    for line in log.splitlines():
+        if any(mark in line for mark in STARTUP_MARKS):
+            out.append(line.split(" INFO ", 1)[-1].split(" WARNING ", 1)[-1].strip())
+    return out
+
+
 def results_text(doc: dict) -> str:
     """results.json: indented, but each request's record on one line (the file's bulk)."""
     head = json.dumps({k: v for k, v in doc.items() if k != "requests"}, indent=1)
@@ -428,10 +441,13 @@ def report(doc: dict) -> str:
     a = doc["settings"]
     sampling = f"T = {a['temperature']}" + (f", top-p {a['top_p']}" if a.get("top_p", 1.0) < 1.0 else "")
     lines = [f"# bench-load: {a['limit']} prompts of {Path(a['dataset']).name}, {a['max_tokens']} tokens, "
-             f"{sampling}", "", f"Machine: {doc['machine']}. Server: {doc['server']}.", "",
-             "| level | mode | output tok/s | req/s | TTFT p50/p95 ms | TPOT p50/p95 ms | e2e p50/p95/p99 ms "
-             "| speedup vs none (median request) | identical to none | refused | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{sampling}", "", f"Machine: {doc['machine']}. Server: {doc['server']}.", ""]
+    if doc.get("startup"):
+        up = doc["startup"]
+        lines += [f"Start-up: the stack in {up['stack_s']} s; the target: " + "; ".join(up["target"]) + ".", ""]
+    lines += ["| level | mode | output tok/s | req/s | TTFT p50/p95 ms | TPOT p50/p95 ms | e2e p50/p95/p99 ms "
+              "| speedup vs none (median request) | identical to none | refused | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level, by_mode in doc["summary"].items():
         for mode, runs in by_mode.items():
             s = runs[0] if len(runs) == 1 else _mean_runs(runs)
@@ -606,7 +622,7 @@ def cmd_bench_load(args) -> int:
     questions = load_questions(args.dataset, limit=args.limit, offset=args.offset)
     bodies = [{"messages": [{"role": "user", "content": q.turns[0]}]} for q in questions]
     procs: dict[str, subprocess.Popen] = {}
-    url, server, costs = args.url, args.url, None
+    url, server, costs, startup = args.url, args.url, None, None
     try:
         if url is None:
             plan = _plan(stack_args(args, free_port()))
@@ -614,7 +630,10 @@ def cmd_bench_load(args) -> int:
                 name, flags, port = plan[i]
                 plan[i] = (name, flags + extra.split(), port)
             log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-load-"))
+            t0 = time.perf_counter()
             start_stack(plan, procs, log_dir, 600.0)
+            startup = {"stack_s": round(time.perf_counter() - t0, 1),
+                       "target": startup_lines((log_dir / "target.log").read_text(errors="replace"))}
             costs = asyncio.run(target_costs(f"127.0.0.1:{plan[0][2]}"))
             url = f"http://127.0.0.1:{plan[-1][2]}"
             server = "specd services on loopback: " + "; ".join(f"{n} {' '.join(f)}" for n, f, _ in plan)
@@ -632,6 +651,8 @@ def cmd_bench_load(args) -> int:
     doc["provenance"] = provenance()  # the commit, the CPU's instruction sets, versions, threads
     if costs is not None:
         doc["target_costs"] = costs
+    if startup is not None:
+        doc["startup"] = startup  # the stack's start-up seconds; the target's pool, graphs, compiled forwards
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(results_text(doc))
     (args.out / "report.md").write_text(report(doc))

@@ -177,3 +177,16 @@ def test_results_json_reads_back_as_written_with_a_line_per_request():
     assert json.loads(text) == doc
     assert '   {"prompt": 1, "chunk_gaps": []}' in text.splitlines()
     assert json.loads(results_text({"summary": {}})) == {"summary": {}}
+
+
+def test_the_targets_start_up_is_read_from_its_log():
+    from specd_bench.load import startup_lines
+
+    log = "\n".join([
+        "2026-12-03 14:07:35,906 specd.runtime.aot WARNING compiling the CPU forward ahead of time, once per model",
+        "2026-12-03 14:09:02,001 services.target.main INFO target embedded (llama) on specd's runtime: KV pool of "
+        "16 slots x 4608 positions, 0.53 GiB",
+        "2026-12-03 14:09:40,100 services.target.main INFO 269 CUDA graphs captured in 31.5 s",
+        "2026-12-03 14:09:41,000 services.target.main INFO target service (embedded) listening on 127.0.0.1:1"])
+    assert startup_lines(log) == ["target embedded (llama) on specd's runtime: KV pool of 16 slots x 4608 positions, "
+                                  "0.53 GiB", "269 CUDA graphs captured in 31.5 s"]
