@@ -1,6 +1,6 @@
 """The round across a transport, on the coordinating side: what to verify next and what a
 verdict commits, with no stream, message format or clock in it (services.coordinator.loop moves
-its events; docs/services.md, "PEARL").
+its events; docs/services.md, "Chunks, epochs and the PEARL overlap").
 
 Where the drafts come from another process, they arrive by *position* and *epoch* ahead of the
 committed sequence, and each window's end arrives on its own. The sequencer holds them and
