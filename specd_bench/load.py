@@ -324,12 +324,14 @@ async def scrape(client, url: str | None) -> dict[str, float]:
         for sample in family.samples:
             if sample.name in out:
                 out[sample.name] += sample.value
+            elif sample.name == "specd_target_load_fit":  # a gauge: read as it stands, not summed
+                out[f"load_fit_{sample.labels.get('term')}"] = sample.value
     return out
 
 
 def target_stats(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
     """How the target's forwards went during one cell (the difference of two scrapes)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d = {k: after[k] - before.get(k, 0.0) for k in TARGET_SAMPLES if k in after}
     forwards, steps = d["specd_verify_batch_size_count"], d["specd_verify_batch_size_sum"]
     if not forwards or wall <= 0:
         return {}
@@ -339,7 +341,9 @@ def target_stats(before: dict[str, float], after: dict[str, float], wall: float)
             "gather_ms": round(1e3 * d["specd_verify_gather_seconds_sum"] / forwards, 3),
             "missed_per_forward": round(d["specd_verify_gather_missed_total"] / forwards, 3),
             "next_steps_ms": round(1e3 * d["specd_verify_next_steps_seconds_sum"] / forwards, 3),
-            "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0}
+            "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0,
+            # the forwards against the start-up surface at the cell's end (LoadFit's a, b)
+            "fit": [round(after[f"load_fit_{t}"], 3) for t in ("base", "token")] if "load_fit_token" in after else None}
 
 
 WARM_UP_TOKENS = 4  # the tokens of each mode's warm-up request
@@ -482,12 +486,16 @@ def report(doc: dict) -> str:
         lines += ["", "The target's forwards (from its metrics; forward ms: a forward to its verdicts, the mean a "
                   "session saw; gather ms: the mean wait per forward for the sessions of the last one; missed: "
                   "those it started without; next steps ms: the mean time per forward spent preparing the plain "
-                  "runs' next steps, the target's own drafting included):",
+                  "runs' next steps, the target's own drafting included; fit: what its forwards cost against "
+                  "the start-up surface at the level's end, a forward's base and each further token, 1 as "
+                  "measured):",
                   "", "| level | mode | forwards/s | sessions/forward | tokens/forward | forward ms | gather ms "
-                  "| missed/forward | next steps ms | plain-run share |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| missed/forward | next steps ms | plain-run share | fit base / token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {lvl} | {mode} | {t['forwards_per_s']} | {t['sessions_per_forward']} | {t['tokens_per_forward']} "
                   f"| {t['forward_ms']} | {t['gather_ms']} | {t['missed_per_forward']} | {t.get('next_steps_ms', '–')} "
-                  f"| {t['plain_share']} |" for lvl, mode, t in stats]
+                  f"| {t['plain_share']} | {' / '.join(map(str, t['fit'])) if t.get('fit') else '–'} |"
+                  for lvl, mode, t in stats]
     if doc.get("target_costs"):
         lines += ["", _surface_line(doc["target_costs"])]
     memory = {when: by for when, by in (doc.get("memory_mb") or {}).items() if by}

@@ -126,7 +126,8 @@ class TargetCore:
         self.rpc_metrics = RpcMetrics(self.registry, "target")
         self.metrics = TargetMetrics(self.registry, target.name, lambda: len(self.sessions), self._kv_bytes,
                                      lambda: self.costs.value("decode_cost"), self._kv_slots,
-                                     lambda: len(self.batcher.queue), lambda: self.costs.value("token_time"))
+                                     lambda: len(self.batcher.queue), lambda: self.costs.value("token_time"),
+                                     self._load_fit)
         self.batcher = StepBatcher(target.model, self.executor, config.max_batch_size, self.metrics.observe_batch,
                                    config.gather, self.costs)
         # The cost curve cost-aware policies weigh windows with; its first point is the start-up
@@ -151,6 +152,10 @@ class TargetCore:
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def _load_fit(self) -> tuple[float, float]:
+        fit = self.costs.value("load_fit")  # None until start-up has measured the surface
+        return (fit.a, fit.b) if fit is not None else (1.0, 1.0)
 
     def _on_forward(self, info: BatchInfo) -> None:
         self.costs.observe("load_fit", (info.batch_size, info.batch_tokens, info.forward_seconds))

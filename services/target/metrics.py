@@ -60,9 +60,11 @@ class TargetMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, sessions: Callable[[], int] = lambda: 0,
                  kv_bytes: Callable[[], int] = lambda: 0, decode_cost: Callable[[], float] = lambda: 0.0,
                  kv_slots: Callable[[], tuple[int, int]] = lambda: (0, 0),
-                 queue_depth: Callable[[], int] = lambda: 0, token_seconds: Callable[[], float] = lambda: 0.0):
+                 queue_depth: Callable[[], int] = lambda: 0, token_seconds: Callable[[], float] = lambda: 0.0,
+                 load_fit: Callable[[], tuple[float, float]] = lambda: (1.0, 1.0)):
         """kv_slots: (slots in use, slots) of the KV pool; token_seconds: the time per token the open
-        sessions see (what a latency budget reads)."""
+        sessions see (what a latency budget reads); load_fit: (a, b), what its forwards' base and
+        further tokens cost against the start-up surface (specd.costs.LoadFit)."""
         self.registry, self.model = registry, model
         active_sessions(registry, "target", sessions)
         kv_cache_bytes(registry, "target", kv_bytes)
@@ -104,6 +106,11 @@ class TargetMetrics:
         per_token = Gauge("specd_target_token_seconds", "seconds between a session's verifications per token "
                           "emitted, moving average (what --latency-budget reads)", ["model"], registry=registry)
         per_token.labels(model).set_function(token_seconds)
+        fit = Gauge("specd_target_load_fit", "what the target's forwards cost against its start-up surface: "
+                    "term base (a forward of one token a session) and token (each further token), 1 = as measured",
+                    ["model", "term"], registry=registry)
+        fit.labels(model, "base").set_function(lambda: load_fit()[0])
+        fit.labels(model, "token").set_function(lambda: load_fit()[1])
         self.refused = Counter("specd_target_refused_sessions", "sessions refused at once: every KV slot taken, "
                                "or over the latency budget", ["model"], registry=registry)
         self.refused.labels(model)  # a zero series from the start

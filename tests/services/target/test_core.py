@@ -91,3 +91,15 @@ def test_a_client_that_goes_quiet_is_ended(core, tiny_target):
         _run(core, OpenRequest(prompt=PROMPT, sampling=GREEDY), WindowRequest(verify_id=1), pause=5.0)
     assert core.active_sessions == 0
     assert tiny_target.pool is None or tiny_target.pool.in_use() == 0
+
+
+def test_the_load_fit_is_exported_as_it_moves(core, tiny_target):
+    """specd_target_load_fit{term}: what the forwards cost against the start-up surface, the
+    numbers cost-aware prices a window with where the target drafts (1 before any forward)."""
+    labels = {"model": tiny_target.name}
+    read = lambda term: core.registry.get_sample_value("specd_target_load_fit", {**labels, "term": term})  # noqa: E731
+    fit = core.costs.value("load_fit")
+    assert fit is not None and (read("base"), read("token")) == (fit.a, fit.b) == (1.0, 1.0)
+    _run(core, OpenRequest(prompt=PROMPT, sampling=GREEDY), WindowRequest(verify_id=1, steps=6))
+    fit = core.costs.value("load_fit")
+    assert fit.forwards >= 6 and (read("base"), read("token")) == (fit.a, fit.b) != (1.0, 1.0)
