@@ -29,14 +29,17 @@ class PaceClock:
 
     def start(self) -> None:
         """A round starts now (drafters that only draft when asked)."""
-        self.started = self.clock()
+        if self.policy is not None:  # the target alone has nothing to time: no clock read a round
+            self.started = self.clock()
 
     def commit(self, tokens: int, drafted: bool, timed: bool = True) -> None:
         """A round committed `tokens` now; drafted: whether the drafter ran for it. timed False:
         the round is not observed (its time is not the pace, e.g. a stretch's first plain round
         that paid a round trip the others skip), but the next one is timed from here."""
+        if self.policy is None:
+            return
         now = self.clock()
-        if self.policy is not None and self.last_commit is not None and timed:
+        if self.last_commit is not None and timed:
             since = self.last_commit if self.started is None else max(self.last_commit, self.started)
             self.policy.observe_pace(tokens, now - since, drafted)
         self.last_commit = now

@@ -214,6 +214,9 @@ def test_start_up_keys_hold_every_forward_a_bucket_takes():
                 assert key in keys, (batch, width, span, key)
                 taken.add(key)
     assert taken == set(keys)  # and every key captured is one some forward takes
+    defaults = (buckets_up_to(BATCH_BUCKETS, 16), WIDTH_BUCKETS, tuple(w for w in PREFILL_WIDTHS if w <= 4608),
+                buckets_up_to(SPAN_BUCKETS, 4608))
+    assert len(all_keys(*defaults)) == 269  # 16 slots x 4,608 positions, as docs/deploy.md says
 
 
 def test_a_prompt_padded_to_a_prefill_width_prefills_as_unpadded(pooled, lean):

@@ -50,3 +50,12 @@ def test_no_policy_keeps_no_observations():
     pace = PaceClock(None)
     pace.commit(1, True)
     pace.commit(1, True)  # nothing to tell, nothing raised
+
+
+def test_the_target_alone_reads_no_clock():
+    def clock():
+        raise AssertionError("read the clock with no policy to tell")
+
+    pace = PaceClock(None, clock)
+    pace.start()
+    pace.commit(1, True)
