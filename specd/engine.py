@@ -41,7 +41,7 @@ from specd.policies import (
 from specd.speculation.pace import PaceClock
 from specd.speculation.round import commit_tokens, draft_window, judged_window
 from specd.sampling import request_generator
-from specd.state import MemoryStateStore, StateKey, StateStore
+from specd.state import MemoryStateStore, StateKey, StateStore, StateUpdate
 from specd.stats import GenerationStats
 from specd.tree import TREE_MAX_FED, DraftTree, TreePlanner, tree_shape, verify_tree
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
@@ -165,6 +165,7 @@ class GenerationRun:
         check_drafter(spec, engine.drafter.name, engine.drafter.has_distribution)
         resources = PolicyResources(tuple(reference) if reference is not None else None, engine.specdecpp_head)
         state = engine.state_store.load(engine.state_key(spec.policy, spec.task_tag))
+        self.policy_start = dict(state)  # what close() folds this request's learning into the store against
         return request_policy(spec, state, resources, lambda: engine.costs), engine.drafter
 
     # -- the loop ---------------------------------------------------------------------------
@@ -344,8 +345,8 @@ class GenerationRun:
         if self.draft_session is not None:
             self.draft_session.close()
         if self.policy is not None:
-            self.engine.state_store.save(self.engine.state_key(self.spec.policy, self.spec.task_tag),
-                                         self.policy.state())
+            update = StateUpdate.between(self.policy_start, self.policy.state(), self.policy.state_scale())
+            self.engine.state_store.update(self.engine.state_key(self.spec.policy, self.spec.task_tag), update)
 
 
 def validate_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:

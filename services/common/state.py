@@ -11,7 +11,11 @@ Redis layout (one hash per StateKey):
 parts is escaped so that "|" stays a separator: "%" becomes "%25", then "|" becomes "%7C";
 every other character (":" and "/" of model names included) is kept as is. A save replaces the
 whole hash atomically (MULTI/EXEC: DEL, HSET, EXPIRE); saving an empty state only DELs it. Last
-writer wins. Each key expires STATE_TTL_S (30 days) after its last save, so the state of a
+writer wins. A request's end is an update instead (specd.state.StateUpdate): one Lua script
+folds its decayed sums into the hash's current values (v * scale + add, written with
+"%.17g", which float() reads back exactly) and writes its other fields, so that requests of
+one key that run at once, on one replica or many, all keep what they learned; a policy
+with no decayed sums replaces the hash as a save does. Each key expires STATE_TTL_S (30 days) after its last save, so the state of a
 pair, policy or task tag no longer served does not stay forever.
 
 Policy state is an optimisation, so Redis can never cost an answer: load() and save() never
@@ -39,7 +43,7 @@ from redis.backoff import NoBackoff
 
 from services.common.breaker import Breaker
 from specd.errors import SpecdError, Unavailable
-from specd.state import MemoryStateStore, StateKey
+from specd.state import MemoryStateStore, StateKey, StateUpdate
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ class AsyncStateStore(Protocol):
 
     async def save(self, key: StateKey, state: dict[str, float]) -> None:
         """Replace the saved state (last writer wins); best effort."""
+
+    async def update(self, key: StateKey, update: StateUpdate) -> None:
+        """Fold one request's update into the saved state, atomically; best effort."""
 
     async def close(self) -> None:
         """Release connections; the store is not used afterwards."""
@@ -66,6 +73,9 @@ class AsyncMemoryStateStore:
 
     async def save(self, key: StateKey, state: dict[str, float]) -> None:
         self._store.save(key, state)
+
+    async def update(self, key: StateKey, update: StateUpdate) -> None:
+        self._store.update(key, update)
 
     async def ping(self) -> None:
         """Always healthy: nothing remote to reach."""
@@ -126,6 +136,23 @@ def redis_client(url: str, timeout_s: float, retries: int = 1) -> aioredis.Redis
     except ValueError as e:
         raise SpecdError(f"invalid Redis URL {redact_url(url)}: {e}") from None
 
+
+# KEYS[1] the hash; ARGV: the TTL, the number of sums, then (field, scale, add) per sum, then
+# (field, value) per value. A field that is missing or not a number counts as 0.
+_UPDATE = """
+local n = tonumber(ARGV[2])
+local i = 3
+for _ = 1, n do
+  local now = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') or 0
+  redis.call('HSET', KEYS[1], ARGV[i], string.format('%.17g', now * tonumber(ARGV[i + 1]) + tonumber(ARGV[i + 2])))
+  i = i + 3
+end
+while i < #ARGV do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
 
 STATE_TTL_S = 30 * 24 * 3600  # a policy-state key expires this long after its last save
 DEFAULT_TIMEOUT_S = 0.5  # connect and read timeout of one Redis command
@@ -205,6 +232,34 @@ class RedisStateStore:
                     await pipe.execute()
         except REDIS_ERRORS as e:
             self._failed("save", e)
+            return
+        self.breaker.success()
+
+    async def update(self, key: StateKey, update: StateUpdate) -> None:
+        """Fold one request's update into the saved state (the module docstring); dropped (with a
+        warning) when Redis fails. A key that is not a hash is replaced by the update applied to
+        nothing."""
+        if update.replace:
+            return await self.save(key, dict(update.values))
+        if not self.breaker.allow():
+            return
+        k = self.key(key)
+        args: list[str | int] = [self.ttl_s, len(update.sums)]
+        for name, (scale, add) in update.sums.items():
+            args += [name, repr(float(scale)), repr(float(add))]
+        for name, value in update.values.items():
+            args += [name, repr(float(value))]
+        try:
+            await self._redis.eval(_UPDATE, 1, k, *args)
+        except redis.exceptions.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                self._failed("update", e)
+                return
+            self.breaker.success()
+            log.warning("shared policy state: %s is not a hash; replacing it", k)
+            return await self.save(key, update.apply({}))
+        except REDIS_ERRORS as e:
+            self._failed("update", e)
             return
         self.breaker.success()
 

@@ -54,7 +54,7 @@ from specd.errors import ModelError, SpecdError, Unavailable
 from specd.runtime.loading import encode_prompt
 from specd.tools import call_tokens, template_format
 from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
-from specd.state import StateKey
+from specd.state import StateKey, StateUpdate
 from specd.tree import check_branches
 
 log = logging.getLogger(__name__)
@@ -313,18 +313,20 @@ class Coordinator:
             return {}
 
     def _save_state(self, cfg: LoopConfig, loop: RequestLoop) -> None:
-        """Record the request's final policy state and save it in a background task."""
+        """Record the request's final policy state and fold it into the saved one in a
+        background task (merged with concurrent requests', specd.state.StateUpdate)."""
         if loop.policy_state is None or cfg.drafter is None:
             return
         self.metrics.record_policy_state(self.metrics.labels(self.model_card().id, cfg.spec.policy, cfg.drafter),
                                          cfg.spec.task_tag, loop.policy_state)
-        task = asyncio.ensure_future(self._save(self._state_key(cfg, cfg.drafter), dict(loop.policy_state)))
+        update = StateUpdate.between(cfg.policy_state, loop.policy_state, loop.policy_scale)
+        task = asyncio.ensure_future(self._save(self._state_key(cfg, cfg.drafter), update))
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
 
-    async def _save(self, key: StateKey, state: dict) -> None:
+    async def _save(self, key: StateKey, update: StateUpdate) -> None:
         try:
-            await self.state_store.save(key, state)
+            await self.state_store.update(key, update)
         except Exception as e:  # noqa: BLE001 - a lost save costs only what this request learned
             log.warning("%s; adaptive policy state not saved", e)
 

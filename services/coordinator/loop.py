@@ -149,6 +149,7 @@ class RequestLoop:
         self.target_status: tuple[grpc.StatusCode, str] | None = None  # what the target ended its call with
         self.tasks: list[asyncio.Task] = []
         self.policy_state: dict | None = None  # returned by the draft service on close
+        self.policy_scale: dict = {}  # and the decay of its sums (StoppingPolicy.state_scale)
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
         self.replies_due = 0  # Verified messages the outstanding verification (a plain run: each step) has yet to send
@@ -353,6 +354,7 @@ class RequestLoop:
                 source, msg = await asyncio.wait_for(self.events.get(), 5.0)
                 if source == "target" and msg.WhichOneof("kind") == "closed":
                     self.policy_state = dict(msg.closed.policy_state)
+                    self.policy_scale = dict(msg.closed.policy_scale)
                     self.stats.drafted_total = msg.closed.num_drafted
                     self.stats.grammar_drafted = msg.closed.grammar_drafted
                     break
@@ -370,6 +372,7 @@ class RequestLoop:
                 source, msg = await asyncio.wait_for(self.events.get(), 5.0)
                 if source == "draft" and msg.WhichOneof("kind") == "closed":
                     self.policy_state = dict(msg.closed.policy_state)
+                    self.policy_scale = dict(msg.closed.policy_scale)
                     self.stats.drafted_total = msg.closed.num_drafted
                     # Let the service end the call itself: cancelling it now (close() does)
                     # would cut the handler off after its last message, a clean close

@@ -78,10 +78,12 @@ class DraftOpen:
 
 @dataclass(frozen=True, kw_only=True)
 class DraftClosed:
-    """What a session ends with: the policy's state to save, what it drafted."""
+    """What a session ends with: the policy's state to save (and the decay of its sums,
+    StoppingPolicy.state_scale), what it drafted."""
     policy_state: dict[str, float]
     num_drafted: int
     draft_seconds: float
+    policy_scale: dict[str, float] = field(default_factory=dict)
 
 
 class DraftCore:
@@ -158,7 +160,7 @@ class DraftCore:
                     self.metrics.windows.labels(self.drafter.name, runner.policy.name, event.reason).inc()
                 yield event
             yield DraftClosed(policy_state=runner.policy.state(), num_drafted=runner.num_drafted,
-                              draft_seconds=runner.draft_seconds)
+                              draft_seconds=runner.draft_seconds, policy_scale=runner.policy.state_scale())
         finally:
             reading.cancel()
             drafting.cancel()

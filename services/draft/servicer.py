@@ -61,7 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if isinstance(event, DraftClosed):
                     yield draft_pb2.DraftResponse(closed=draft_pb2.DraftClosed(
                         policy_state=event.policy_state, num_drafted=event.num_drafted,
-                        draft_seconds=event.draft_seconds))
+                        draft_seconds=event.draft_seconds, policy_scale=event.policy_scale))
                 else:
                     yield event_to_proto(event)
 

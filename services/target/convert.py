@@ -58,8 +58,8 @@ def reply_to_proto(reply: Reply) -> target_pb2.TargetResponse:
 
 def closed_to_proto(closed: Closed) -> target_pb2.TargetResponse:
     return target_pb2.TargetResponse(closed=target_pb2.TargetClosed(
-        policy_state=closed.policy_state, num_drafted=closed.num_drafted, draft_seconds=closed.draft_seconds,
-        grammar_drafted=closed.grammar_drafted))
+        policy_state=closed.policy_state, policy_scale=closed.policy_scale, num_drafted=closed.num_drafted,
+        draft_seconds=closed.draft_seconds, grammar_drafted=closed.grammar_drafted))
 
 
 def distributions_from_proto(msg: target_pb2.Verify, drafts: list[int], vocab: int,

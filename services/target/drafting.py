@@ -37,6 +37,7 @@ class Closed:
     """What a session ends with: where it drafted here, the policy's state to save and what it
     drafted."""
     policy_state: dict[str, float] = field(default_factory=dict)
+    policy_scale: dict[str, float] = field(default_factory=dict)  # StoppingPolicy.state_scale
     num_drafted: int = 0
     draft_seconds: float = 0.0
     grammar_drafted: int = 0  # of the drafts, those the grammar forced
@@ -110,7 +111,8 @@ class LocalDrafting:
     def closed(self) -> Closed:
         """What the session ends with: the policy's state to save, what it drafted."""
         self.settle()
-        return Closed(policy_state=self.policy.state(), num_drafted=self.num_drafted,
+        return Closed(policy_state=self.policy.state(), policy_scale=self.policy.state_scale(),
+                      num_drafted=self.num_drafted,
                       draft_seconds=self.draft_seconds, grammar_drafted=self.grammar_drafted)
 
     def close(self) -> None:

@@ -94,6 +94,12 @@ class StoppingPolicy(ABC):
         """Adaptive state to persist across requests (empty for stateless policies)."""
         return {}
 
+    def state_scale(self) -> dict[str, float]:
+        """For the fields of `state()` that are decayed sums: the factor by which this request
+        decayed the value it loaded. The store then folds the request's observations into what
+        concurrent requests saved (specd.state.StateUpdate). Empty: `state()` is saved whole."""
+        return {}
+
     def begin_round(self) -> None:
         """Called before the first token of each round is drafted."""
 

@@ -10,7 +10,8 @@ After each drafted token the policy knows
     bins start from and shrink towards their parent's estimate. Every bin starts at a prior and is
     recalibrated online from verification outcomes: each judged token (up to and including
     the first rejection) is one observation of its bin, with old observations fading so the
-    table follows the traffic. The table is the policy's shared state.
+    table follows the traffic. The table is the policy's shared state: requests that run at
+    once each fold their own outcomes into it (specd.state.StateUpdate).
   - the cost curve (specd.costs): t_draft, t_target(n) and the per-round overhead, measured
     at start-up and refreshed while serving.
 
@@ -156,6 +157,8 @@ class CostAwarePolicy(StoppingPolicy):
             name, _, kind = key.rpartition(":")
             if name and name != "rounds" and kind in ("a", "r"):
                 self.table.setdefault(name, [0.0, 0.0])[kind == "r"] = float(value)
+        # The decay this request applied to what it loaded: per bin, and to paid and to pace.
+        self.scale: dict[str, float] = {"rounds": 1.0, "pace": 1.0}
 
     def state(self) -> dict[str, float]:
         out = {"rounds:emitted": self.paid[0], "rounds:seconds": self.paid[1]}
@@ -165,6 +168,10 @@ class CostAwarePolicy(StoppingPolicy):
         for name, (acc, rej) in self.table.items():
             out[f"{name}:a"], out[f"{name}:r"] = acc, rej
         return out
+
+    def state_scale(self) -> dict[str, float]:
+        """Every field is a decayed sum: concurrent requests' observations add up."""
+        return {key: self.scale.get(key.rpartition(":")[0], 1.0) for key in self.state()}
 
     def estimate(self, bin_: str) -> float:
         """Calibrated P(accepted | the tokens before it in the window were). A child bin's prior
@@ -194,6 +201,7 @@ class CostAwarePolicy(StoppingPolicy):
         if parent is not None:
             self._learn(parent, accepted)
         counts = self.table.setdefault(bin_, [0.0, 0.0])
+        self.scale[bin_] = self.scale.get(bin_, 1.0) * self.decay
         counts[0] *= self.decay
         counts[1] *= self.decay
         counts[not accepted] += 1.0
@@ -267,6 +275,7 @@ class CostAwarePolicy(StoppingPolicy):
     def observe_pace(self, tokens: int, seconds: float, drafted: bool) -> None:
         for sums in self.pace.values():
             sums[:] = [self.pace_decay * x for x in sums]
+        self.scale["pace"] *= self.pace_decay
         sums = self.pace["drafted" if drafted else "plain"]
         sums[0] += tokens
         sums[1] += seconds
@@ -302,6 +311,7 @@ class CostAwarePolicy(StoppingPolicy):
         n = outcome.num_accepted
         cost = self.costs.round_time(outcome.num_drafted) + (self.costs.t_draft if outcome.dropped else 0.0)
         self.paid = [self.decay * self.paid[0] + n + 1, self.decay * self.paid[1] + cost]
+        self.scale["rounds"] *= self.decay
         for i, st in enumerate(outcome.steps[:n + 1]):  # judged: the accepted ones and the first rejection
             self._learn(feature_bin(st), i < n)
         if outcome.dropped is not None and outcome.dropped_accepted is not None:

@@ -283,6 +283,36 @@ def test_every_round_after_the_first_is_timed_for_the_policy(tiny_target, tiny_d
     assert state["pace:drafted_tokens"] + state["pace:plain_tokens"] <= N
 
 
+def test_requests_that_run_at_once_both_keep_what_they_learned(tiny_target, tiny_draft):
+    """Two cost-aware requests start from the same saved state and end one after the other:
+    the saved table holds both requests' judged tokens, not just the last one's."""
+    curve = CostCurve(0.0001, list(range(1, 18)), [0.01] * 17, smoothing=0.0)
+    engine = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target), costs=curve)
+    spec, sampling = SpecParams("cost-aware"), SamplingParams(max_new_tokens=N)
+    key = engine.state_key("cost-aware", "default")
+
+    def judged(state):  # every bin's (decayed) count of judged tokens, summed over top-level bins
+        return sum(v for k, v in state.items() if k[0] == "q" and k.count("e") == 0 and k[-2:] in (":a", ":r"))
+
+    def alone(prompt):
+        e = SpeculativeEngine(tiny_target, HfDrafter(tiny_draft, tiny_target), costs=curve)
+        e.generate(prompt, sampling, spec)
+        return judged(e.state_store.load(key))
+
+    first, second = alone(PROMPTS[0]), alone(PROMPTS[1])
+    assert min(first, second) > 2
+    a, b = engine.start(PROMPTS[0], sampling, spec), engine.start(PROMPTS[1], sampling, spec)
+    for run in (a, b):
+        for _ in run:
+            pass
+    a.close()
+    after_a = judged(engine.state_store.load(key))
+    assert after_a == pytest.approx(first)
+    b.close()
+    # Both, less a little decay; last writer wins would keep B's alone.
+    assert judged(engine.state_store.load(key)) > max(first, second) + 0.5 * min(first, second)
+
+
 class VirtualClock:
     """Time for the engine's timers (`time.perf_counter` in specd.engine and specd.speculation.round) that
     passes only as a test says: what a drafted token and a forward cost on its cost curve, so

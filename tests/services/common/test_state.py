@@ -11,7 +11,7 @@ import redis
 
 from services.common.state import STATE_TTL_S, AsyncMemoryStateStore, RedisStateStore, build_state_store
 from specd.errors import Unavailable
-from specd.state import StateKey
+from specd.state import MemoryStateStore, StateKey, StateUpdate
 
 KEY = StateKey("HuggingFaceTB/SmolLM2-135M", "meta-llama/Llama-3.1-8B", "specdec++", "code")
 STATE = {"threshold": 0.1 + 0.2, "mean_accept": 1 / 3, "k": 4.0, "tiny": 5e-324,
@@ -283,3 +283,50 @@ def test_saved_keys_expire_and_a_save_refreshes_the_ttl(redis_url):
     asyncio.run(run(STATE_TTL_S))
     with redis.Redis.from_url(redis_url) as raw:
         assert STATE_TTL_S - 10 < raw.ttl(key) <= STATE_TTL_S == 30 * 24 * 3600
+
+
+def test_replicas_updating_at_once_fold_like_the_memory_store(redis_url):
+    """Two replicas end requests that loaded the same state: Redis keeps both requests'
+    learning exactly as the process store does (specd.state.StateUpdate), and a value field is
+    the last writer's."""
+    start = {"n2i1:a": 3.0, "n2i1:r": 1.0, "k": 4.0}
+    ends = [({"n2i1:a": 3.5, "n2i1:r": 0.9, "n3i1:a": 1.0, "k": 5.0}, {"n2i1:a": 0.9, "n2i1:r": 0.9, "n3i1:a": 1.0}),
+            ({"n2i1:a": 2.7, "n2i1:r": 2.8, "k": 6.0}, {"n2i1:a": 0.8, "n2i1:r": 0.8})]
+    updates = [StateUpdate.between(start, end, scale) for end, scale in ends]
+    memory = MemoryStateStore()
+    memory.save(KEY, start)
+    for u in updates:
+        memory.update(KEY, u)
+
+    async def run():
+        a, b = RedisStateStore(redis_url), RedisStateStore(redis_url)
+        try:
+            await a.save(KEY, start)
+            await asyncio.gather(a.update(KEY, updates[0]), b.update(KEY, updates[1]))
+            return await a.load(KEY)
+        finally:
+            await a.close()
+            await b.close()
+
+    saved = asyncio.run(run())
+    assert saved == pytest.approx(memory.load(KEY), rel=1e-15)
+    assert saved["n2i1:a"] == pytest.approx((3.0 * 0.9 + (3.5 - 2.7)) * 0.8 + (2.7 - 2.4))  # A, then B
+    assert saved["k"] == 6.0
+    with redis.Redis.from_url(redis_url, decode_responses=True) as raw:
+        key = RedisStateStore(redis_url).key(KEY)
+        assert 0 < raw.ttl(key) <= STATE_TTL_S
+
+
+def test_an_update_replaces_a_key_that_is_not_a_hash(redis_url):
+    store = RedisStateStore(redis_url)
+    with redis.Redis.from_url(redis_url) as raw:
+        raw.set(store.key(KEY), "garbage")
+
+    async def run():
+        try:
+            await store.update(KEY, StateUpdate.between({}, {"n2i1:a": 2.0}, {"n2i1:a": 0.5}))
+            return await store.load(KEY)
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) == {"n2i1:a": 2.0}

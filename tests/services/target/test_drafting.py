@@ -16,6 +16,7 @@ from services.common.server import channel
 from services.common.settings import TargetSettings
 from services.common.state import AsyncMemoryStateStore
 from services.coordinator.api import GenerateRequest
+from services.coordinator.coordinator import Coordinator, CoordinatorConfig
 from services.proto.specd.common.v1 import common_pb2
 from services.proto.specd.target.v1 import target_pb2, target_pb2_grpc
 from services.target import core as target_core
@@ -146,17 +147,36 @@ def test_the_target_drafts_even_with_a_draft_service_configured(chat_pair, draft
     assert finish.spec_stats["drafted_on_target"]
 
 
-def test_the_policy_state_comes_back_to_the_store(drafting_target):
-    store = AsyncMemoryStateStore()
-    request = GenerateRequest(prompt=PROMPTS[1], sampling=SamplingParams(max_new_tokens=40),
-                              spec=SpecParams("cost-aware"))
-    generate(drafting_target.address, None, request, store=store)
+def test_the_policy_state_comes_back_to_the_store(drafting_target, monkeypatch):
+    """Each request's cost-aware table comes back, with the decay of its sums: two requests
+    that run at once on one coordinator both land in the saved table (specd.state.StateUpdate)."""
+    frozen = CostCurve(0.0, list(range(1, 17)), [1e-3] * 16, smoothing=0.0)  # drafts on any machine
+    monkeypatch.setattr(target_core, "local_cost_curve", lambda *_: frozen)
     key = StateKey("ngram-8", drafting_target.servicer.target.name, "cost-aware", "default")
+    requests = [GenerateRequest(prompt=prompt, sampling=SamplingParams(max_new_tokens=40),
+                                spec=SpecParams("cost-aware")) for prompt in (PROMPTS[1], PROMPTS[2])]
 
-    async def saved():
-        return await store.load(key)
+    def judged(state):  # judged tokens in the top-level bins, decayed
+        return sum(v for k, v in state.items() if k[0] in "nr" and "v" not in k and k[-2:] in (":a", ":r"))
 
-    eventually(lambda: bool(asyncio.run(saved())))
+    async def run(*batch):
+        store = AsyncMemoryStateStore()
+        coord = Coordinator(CoordinatorConfig(drafting_target.address, None), store)
+        await coord.connect()
+        try:
+            await asyncio.gather(*(drain(coord.generate(r)) for r in batch))
+        finally:
+            await coord.close(save_grace_s=10)
+        return judged(await store.load(key))
+
+    alone = [asyncio.run(run(r)) for r in requests]
+    assert min(alone) > 2
+    assert asyncio.run(run(*requests)) > max(alone) + 0.5 * min(alone)  # last writer wins: one of them
+
+
+async def drain(events):
+    async for _ in events:
+        pass
 
 
 def test_a_stop_string_ends_the_run_and_frees_the_session(chat_pair, drafting_target):

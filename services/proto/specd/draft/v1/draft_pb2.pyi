@@ -182,8 +182,15 @@ class CommitAck(_message.Message):
     def __init__(self, commit_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DraftClosed(_message.Message):
-    __slots__ = ("policy_state", "num_drafted", "draft_seconds")
+    __slots__ = ("policy_state", "num_drafted", "draft_seconds", "policy_scale")
     class PolicyStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PolicyScaleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -193,7 +200,9 @@ class DraftClosed(_message.Message):
     POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SCALE_FIELD_NUMBER: _ClassVar[int]
     policy_state: _containers.ScalarMap[str, float]
     num_drafted: int
     draft_seconds: float
-    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    policy_scale: _containers.ScalarMap[str, float]
+    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., policy_scale: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -171,8 +171,15 @@ class EmittedLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TargetClosed(_message.Message):
-    __slots__ = ("policy_state", "num_drafted", "draft_seconds", "grammar_drafted")
+    __slots__ = ("policy_state", "num_drafted", "draft_seconds", "grammar_drafted", "policy_scale")
     class PolicyStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PolicyScaleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -183,8 +190,10 @@ class TargetClosed(_message.Message):
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SCALE_FIELD_NUMBER: _ClassVar[int]
     policy_state: _containers.ScalarMap[str, float]
     num_drafted: int
     draft_seconds: float
     grammar_drafted: int
-    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., grammar_drafted: _Optional[int] = ...) -> None: ...
+    policy_scale: _containers.ScalarMap[str, float]
+    def __init__(self, policy_state: _Optional[_Mapping[str, float]] = ..., num_drafted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., grammar_drafted: _Optional[int] = ..., policy_scale: _Optional[_Mapping[str, float]] = ...) -> None: ...
