@@ -18,8 +18,9 @@ Glossary (used the same way everywhere in specd):
 - a *chunk*: a part of a window sent for verification before the rest is drafted (PEARL's
   overlap across the services).
 - an *epoch*: the draft side's count of rollbacks; a draft of an older epoch is stale.
-- a *plain run*: plain steps (k = 0) the target runs back to back for one request, with no
-  round trip between them (a policy's stretch of rounds that do not draft).
+- a *multi-step run*: windows the target verifies back to back for one request, with no round
+  trip between them: k = 0 windows (a stretch of rounds that do not draft, or the target
+  alone), or windows the target drafts itself.
 - the *decode cost*: seconds of one plain decoding step of one session now (specd.cost_model's
   `decode_cost`); every other target cost is priced against it.
 - p: target distribution, q: draft distribution, x: a draft token, H(q): entropy in nats.

@@ -31,7 +31,7 @@ sees), against services it starts itself (four `specd serve` processes on loopba
   resident memory of each process (MB) after the warm-up and after each level (`memory_mb`),
   and per cell how the target's forwards went, read from its metrics (`target`): forwards/s,
   sessions and tokens per forward, the wait for returning sessions (--batch-gather) and the
-  sessions a forward started without, and the share of session-steps in plain runs.
+  sessions a forward started without, and the share of session-steps in multi-step runs.
 
 Writes results.json, report.md and throughput.png / latency.png under --out.
 """
@@ -309,7 +309,7 @@ def compare(cells: dict[str, dict[str, list[Result]]], greedy: bool) -> dict:
 TARGET_SAMPLES = ("specd_verify_batch_size_count", "specd_verify_batch_size_sum", "specd_target_forward_tokens_sum",
                   "specd_verify_gather_seconds_sum", "specd_verify_gather_missed_total",
                   "specd_verify_next_steps_seconds_sum",
-                  "specd_target_plain_run_steps_sum", "specd_verify_seconds_sum", "specd_verify_seconds_count")
+                  "specd_target_run_steps_sum", "specd_verify_seconds_sum", "specd_verify_seconds_count")
 
 
 async def scrape(client, url: str | None) -> dict[str, float]:
@@ -341,7 +341,7 @@ def target_stats(before: dict[str, float], after: dict[str, float], wall: float)
             "gather_ms": round(1e3 * d["specd_verify_gather_seconds_sum"] / forwards, 3),
             "missed_per_forward": round(d["specd_verify_gather_missed_total"] / forwards, 3),
             "next_steps_ms": round(1e3 * d["specd_verify_next_steps_seconds_sum"] / forwards, 3),
-            "plain_share": round(d["specd_target_plain_run_steps_sum"] / steps, 3) if steps else 0.0,
+            "multi_step_share": round(d["specd_target_run_steps_sum"] / steps, 3) if steps else 0.0,
             # the forwards against the start-up surface at the cell's end (LoadFit's a, b)
             "fit": [round(after[f"load_fit_{t}"], 3) for t in ("base", "token")] if "load_fit_token" in after else None}
 
@@ -490,11 +490,11 @@ def report(doc: dict) -> str:
                   "the start-up surface at the level's end, a forward's base and each further token, 1 as "
                   "measured):",
                   "", "| level | mode | forwards/s | sessions/forward | tokens/forward | forward ms | gather ms "
-                  "| missed/forward | next steps ms | plain-run share | fit base / token |",
+                  "| missed/forward | next steps ms | multi-step share | fit base / token |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {lvl} | {mode} | {t['forwards_per_s']} | {t['sessions_per_forward']} | {t['tokens_per_forward']} "
                   f"| {t['forward_ms']} | {t['gather_ms']} | {t['missed_per_forward']} | {t.get('next_steps_ms', '–')} "
-                  f"| {t['plain_share']} | {' / '.join(map(str, t['fit'])) if t.get('fit') else '–'} |"
+                  f"| {t['multi_step_share']} | {' / '.join(map(str, t['fit'])) if t.get('fit') else '–'} |"
                   for lvl, mode, t in stats]
     if doc.get("target_costs"):
         lines += ["", _surface_line(doc["target_costs"])]

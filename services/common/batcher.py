@@ -10,17 +10,17 @@ arrive a millisecond late start a second forward and the batch splits in two for
 half then runs while the other half travels). A lone session is never kept waiting, since the
 worker only waits for sessions it has answered and that have not come back yet.
 
-A plain run (a session's decoding steps with no round trip between them, `PlainRun`) needs no
+A multi-step run (a session's decoding steps with no round trip between them, `MultiStep`) needs no
 wait: after each forward the worker queues the run's next step itself. Whether its next step
 waits for the travelling sessions (those that went back to their coordinator) is a trade of
-session time: waiting costs each plain run the travellers' round trip, not waiting costs each
+session time: waiting costs each multi-step run the travellers' round trip, not waiting costs each
 traveller a whole forward (it joins the one after). The worker follows the round trip it
 measures (hand-over to the last traveller's return) and starts the next forward at once, before
-it hands over the last one's results, only where the plain runs lose more by waiting:
-round trip x plain runs > forward x travellers. On a CPU a forward lasts several round trips,
+it hands over the last one's results, only where the multi-step runs lose more by waiting:
+round trip x multi-step runs > forward x travellers. On a CPU a forward lasts several round trips,
 so travellers are waited for unless the runs outnumber them as many times over; where a round
 trip is as long as a forward (a GPU under load), the runs go on as soon as they outnumber the
-travellers, whose replies travel while the next forward runs (docs/engine.md, "Plain runs in
+travellers, whose replies travel while the next forward runs (docs/engine.md, "Multi-step runs in
 the step scheduler").
 
 Sessions in a KV pool (specd.runtime.pool) run as one pooled forward that reads and writes their
@@ -62,12 +62,12 @@ class Job:
     want_hidden: bool = False
     queued_at: float = 0.0
     tree: DraftTree | None = None  # ids end with this draft tree's nodes (specd.tree)
-    run: PlainRun | None = None  # a plain run's step: its result goes to run.results, not future
+    run: MultiStep | None = None  # a multi-step run's step: its result goes to run.results, not future
     window: Window | None = None  # then(logits, hidden, verdict): judged with the forward's others (verify_windows)
 
 
 @dataclass(eq=False)
-class PlainRun:
+class MultiStep:
     """A session's decoding steps that follow each other with no round trip (the target's plain
     runs, and its rounds where it drafts itself). After each step's forward the worker asks
     `next_step` for the next one ((ids, then, logits rows, window or None), or None: the run
@@ -91,7 +91,7 @@ class Gathered:
     waits: list[float]  # seconds each of its jobs waited in the queue
     gather_seconds: float = 0.0  # of which the worker spent waiting for the last forward's sessions
     missed: int = 0  # sessions of the last forward not back when it started (the wait ran out)
-    steps_seconds: float = 0.0  # the worker spent between the last forward and this one on plain runs'
+    steps_seconds: float = 0.0  # the worker spent between the last forward and this one on multi-step runs'
     # next steps (a target drafting for its sessions drafts there: services.target.drafting)
 
 
@@ -205,7 +205,7 @@ class StepBatcher:
         self.last_forward_s = 0.0
         self.away: dict = {}  # travelling session -> when its result was handed over
         self.handed_at = 0.0  # the last hand-over's
-        self._stopped: list[PlainRun] = []  # runs whose queued step _take left out
+        self._stopped: list[MultiStep] = []  # runs whose queued step _take left out
         self.on_forward: Callable[[BatchInfo], None] | None = None  # told each forward's cost, after it
         self.emitted_of: Callable[[object], int] | None = None  # the tokens one job's result emitted
         self._worker: asyncio.Task | None = None
@@ -224,8 +224,8 @@ class StepBatcher:
         return await job.future
 
     def start_run(self, session: KVSession | PoolSession, ids: list[int], then: Callable[..., object],
-                  run: PlainRun, want_hidden: bool = False, window: Window | None = None, num_logits: int = 1) -> None:
-        """Queue a plain run's first step (ids: the session's uncached tokens, then any drafts;
+                  run: MultiStep, want_hidden: bool = False, window: Window | None = None, num_logits: int = 1) -> None:
+        """Queue a multi-step run's first step (ids: the session's uncached tokens, then any drafts;
         num_logits: the rows its verdict reads; window: as submit's); its results, and those of
         the steps run.next_step gives ((ids, then, rows, window)), arrive in run.results."""
         self._enqueue(Job(session, ids, num_logits, then, None, want_hidden, time.perf_counter(), run=run,
@@ -272,7 +272,7 @@ class StepBatcher:
 
     def _take(self) -> list[Job]:
         """Up to a batch of queued jobs, leaving out those nobody waits for any more (the client
-        went away, or its plain run stopped: _end_stopped tells it)."""
+        went away, or its multi-step run stopped: _end_stopped tells it)."""
         jobs, self.queue = self.queue[:self.max_batch_size], self.queue[self.max_batch_size:]
         live = []
         for j in jobs:
@@ -292,7 +292,7 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         last: tuple | None = None  # the last forward's jobs, results and going runs, not handed over yet
         at_once = False  # start the next forward before handing over the last one's results
-        steps_s = 0.0  # spent on the last forward's plain runs' next steps
+        steps_s = 0.0  # spent on the last forward's multi-step runs' next steps
         while True:
             if last is not None and at_once and self.queue:
                 jobs, waited, missed = self._take(), 0.0, len(self.returning)
@@ -333,7 +333,7 @@ class StepBatcher:
             at_once = self._at_once(len(going), len(self._travellers(jobs, going)))
 
     def _at_once(self, runs: int, travelling: int) -> bool:
-        """Whether the next forward starts at once with the plain runs' next steps, leaving the
+        """Whether the next forward starts at once with the multi-step runs' next steps, leaving the
         travellers for the one after: where waiting for them (the measured round trip, for each
         run) would cost more session time than a forward each costs them. Until a round trip
         has been measured, they are waited for (the wait is bounded by `gather`)."""
@@ -349,7 +349,7 @@ class StepBatcher:
                 or (j.run is None and not j.future.done())]
 
     def _queue_next_steps(self, jobs: list[Job], results: list) -> set[int]:
-        """Queue the next step of each plain run whose step succeeded and that goes on; the
+        """Queue the next step of each multi-step run whose step succeeded and that goes on; the
         ids of the runs that go on."""
         going = set()
         for j, r in zip(jobs, results):
@@ -367,7 +367,7 @@ class StepBatcher:
         return going
 
     def _hand_over(self, jobs: list[Job], results: list, going: set[int]) -> None:
-        """Each job's result to its waiter (a plain run's last step: then None); the sessions
+        """Each job's result to its waiter (a multi-step run's last step: then None); the sessions
         that now travel are waited for."""
         self.handed_at = time.perf_counter()
         self.away.update((s, self.handed_at) for s in self._travellers(jobs, going))

@@ -90,7 +90,7 @@ class Coordinator:
         # What cost-aware drafting weighs (specd.cost_model.TABLE): the target's start-up cost
         # curve and batched surface (TargetInfo), kept current from every request's verifications.
         self.costs = CostModel(COORDINATOR)
-        self.plain_runs = False  # the target answers a plain run step by step (Verify.steps)
+        self.multi_step = False  # the target answers a multi-step run step by step (Verify.steps)
         self.target_drafter: str | None = None  # the lookup drafter the target drafts with itself
         self.draft_breaker = Breaker(cfg.draft_cooldown_s)
         self._saves: set[asyncio.Task] = set()  # policy-state saves under way (kept from the GC)
@@ -119,8 +119,8 @@ class Coordinator:
         self.costs.seed("verify_seconds", list(info.costs.verify_seconds))
         self.costs.seed("batch_seconds", list(info.costs.batch_seconds))
         self.costs.seed("batch_token_seconds", list(info.costs.batch_token_seconds))
-        self.plain_runs = info.plain_runs
-        self.target_drafter = info.drafter if info.drafter and info.plain_runs else None
+        self.multi_step = info.multi_step
+        self.target_drafter = info.drafter if info.drafter and info.multi_step else None
         self.drafter_name = self.drafter_name or self.target_drafter
         self.target_info = info.model
 
@@ -255,7 +255,7 @@ class Coordinator:
             prompt=prompt, sampling=sampling, spec=spec, overlap=overlap and not spec.relaxed,  # relaxed: sequential
             max_length=min(len(prompt) + sampling.max_new_tokens, info.max_context),
             eos=frozenset(info.eos_token_ids), vocab_size=info.vocab_size, timeout_s=self.cfg.request_timeout_s,
-            draft_stall_s=self.cfg.draft_stall_s, plain_runs=self.plain_runs, tenant=request.tenant,
+            draft_stall_s=self.cfg.draft_stall_s, multi_step=self.multi_step, tenant=request.tenant,
             logprobs=request.logprobs)
 
     async def _with_draft(self, cfg: LoopConfig, draft: draft_pb2.DraftInfo, asked: bool | None) -> LoopConfig:

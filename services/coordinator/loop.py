@@ -114,7 +114,7 @@ class LoopConfig:
     round_overhead_s: float = 0.0  # seconds a verification costs beyond the target's forward
     top_logprobs: int = 0  # a drafter that learns online (DVI) gets the target's top log-probs
     features: bool = False  # a feature drafter gets the target's hidden states of committed positions
-    plain_runs: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
+    multi_step: bool = False  # the target runs several plain steps for one Verify (Verify.steps)
     drafts_on_target: bool = False  # the target drafts the windows itself, run by run (no draft service)
     tenant: str = ""  # who the request is for (GenerateRequest.tenant): the target's fair share of KV slots
     logprobs: int | None = None  # emitted tokens' log-probabilities, with this many alternatives
@@ -152,7 +152,7 @@ class RequestLoop:
         self.policy_scale: dict = {}  # and the decay of its sums (StoppingPolicy.state_scale)
         self.finish_reason: str | None = None
         self.verify_id = self.commit_id = 0
-        self.replies_due = 0  # Verified messages the outstanding verification (a plain run: each step) has yet to send
+        self.replies_due = 0  # Verified messages the outstanding verification (a multi-step run: each step) has yet to send
         self.sent_at = 0.0  # when the outstanding verification was sent
         self.overhead_s, self.overhead_n = 0.0, 0  # round trip beyond the forward, summed
         self.started = 0.0
@@ -173,10 +173,10 @@ class RequestLoop:
             if chunk is None:
                 chunk = self.rounds.next_chunk()
                 if chunk is not None:
-                    await self._send_verify(chunk, self.rounds.steps(chunk, self.cfg.plain_runs))
+                    await self._send_verify(chunk, self.rounds.steps(chunk, self.cfg.multi_step))
             # Tokens go to the caller once the next verification is on its way, so the target
             # works while they stream, and as one batch when replies wait in the queue (a
-            # plain run running ahead of a busy coordinator).
+            # multi-step run running ahead of a busy coordinator).
             if out and self.events.empty():
                 yield out
                 out = []
@@ -437,7 +437,7 @@ class RequestLoop:
         if not v.prefill_seconds and self.sent_at:  # the first reply also waited for the prompt's prefill
             self.overhead_s += max(time.perf_counter() - self.sent_at - v.forward_seconds, 0.0)
             self.overhead_n += 1
-        self.sent_at = 0.0  # a plain run's later steps were not asked for one by one
+        self.sent_at = 0.0  # a multi-step run's later steps were not asked for one by one
         side = len(chunk.side_tokens)
         c = self.rounds.verified(chunk, v.num_accepted, v.next_token, drafted=v.drafted,
                                  accepted_tokens=v.accepted_tokens)

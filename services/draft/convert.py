@@ -72,7 +72,7 @@ def event_to_proto(event) -> draft_pb2.DraftResponse:
         return draft_pb2.DraftResponse(token=tok)
     if isinstance(event, WindowEnd):
         end = draft_pb2.WindowEnd(epoch=event.epoch, start=event.start, end=event.end,
-                                  reason=REASONS[event.reason], plain_rounds=event.plain_rounds,
+                                  reason=REASONS[event.reason], repeat=event.repeat,
                                   side_tokens=event.side_tokens, side_parents=event.side_parents)
         if event.relaxed_threshold is not None:
             end.relaxed_threshold = event.relaxed_threshold

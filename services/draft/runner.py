@@ -54,7 +54,7 @@ class WindowEnd:
     end: int
     reason: str  # policy | cap | no_proposal | length
     relaxed_threshold: float | None
-    plain_rounds: int = 0  # an empty window opening this many plain rounds (the coordinator need not wait)
+    repeat: int = 0  # an empty window that holds this many rounds, k = 0 each (the coordinator need not wait)
     side_tokens: tuple[int, ...] = ()  # the window as a draft tree: side nodes beside its tokens
     side_parents: tuple[int, ...] = ()  # (DraftTree.side: -1 the root, then the window's tokens, then side nodes)
 
@@ -239,11 +239,11 @@ class DraftRunner:
                 cap = min(cap, load_cap)
         return cap
 
-    def _end(self, window: _Window, reason: str, plain_rounds: int = 0, tree: bool = True) -> None:
+    def _end(self, window: _Window, reason: str, repeat: int = 0, tree: bool = True) -> None:
         window.ended = True
         side = self._tree(window) if tree and self.trees is not None else ((), ())
         self.publish(WindowEnd(self.epoch, window.start, window.end, reason, self.policy.relaxed_threshold(),
-                               plain_rounds, *side))
+                               repeat, *side))
 
     def _tree(self, window: _Window) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The window grown into a draft tree (TreePlanner.grow): its side nodes' tokens and parents."""

@@ -5,7 +5,7 @@ requests here and the replies back.
 
 A session is `session(open, incoming)`: it opens (admission, a KV slot, a prefix copied from
 another session of the tenant or prefilled in chunks), then answers each request of
-`incoming` in order (a window to verify, or a plain run of decoding steps; a session that
+`incoming` in order (a window to verify, or a multi-step run of decoding steps; a session that
 drafts here runs its rounds the same way), and ends with `Closed`. Verification itself is
 services.target.session, admission services.target.admission, drafting on the target
 services.target.drafting."""
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.batcher import BatchInfo, PlainRun, StepBatcher, measure_batch_surface
+from services.common.batcher import BatchInfo, MultiStep, StepBatcher, measure_batch_surface
 from services.common.compute import compute_thread
 from services.common.metrics import RpcMetrics, new_registry
 from services.target.admission import FAIR_SHARE_RESERVE, TargetAdmission
@@ -83,7 +83,7 @@ class OpenRequest:
 @dataclass(frozen=True, kw_only=True)
 class WindowRequest:
     """A window to verify (drafts: a chain; side tokens and parents: a draft tree's other
-    nodes), or with steps > 1 a plain run of that many decoding steps. distributions(): the
+    nodes), or with steps > 1 a multi-step run of that many decoding steps. distributions(): the
     drafts' q [k, V] on the target's device, or None (a point mass or greedy); decoded when the
     window is checked, so that its errors come in the order of the other checks."""
     verify_id: int = 0
@@ -193,8 +193,8 @@ class TargetCore:
         donor = self._donor(session)
         self.sessions.add(session)
         local: LocalDrafting | None = None  # the session drafts here
-        after_run: asyncio.Future | None = None  # the client's next request, read during a plain run
-        run: PlainRun | None = None
+        after_run: asyncio.Future | None = None  # the client's next request, read during a multi-step run
+        run: MultiStep | None = None
         try:
             local = self._local_drafting(first.speculate, session)
             t0 = time.perf_counter()
@@ -220,12 +220,12 @@ class TargetCore:
                     yield self._reply(session, req, judged, batch, prefill_s)
                     prefill_s = 0.0
                     continue
-                # A plain run: the batcher queues each next step itself (PlainRun), so the next
+                # A multi-step run: the batcher queues each next step itself (MultiStep), so the next
                 # forward runs while this step's reply travels. A client that speaks meanwhile
                 # (its Close after a stop string, say) stops it after the steps already started,
                 # which it still gets; one that only stopped writing gets the whole run. A session
                 # that drafts here runs its rounds the same way, each drafting its window first.
-                run = self._plain_run(session, req, steps, local)
+                run = self._multi_step(session, req, steps, local)
                 done = 0
                 while (item := await run.results.get()) is not None:
                     if isinstance(item, BaseException):
@@ -236,7 +236,7 @@ class TargetCore:
                     after_run = after_run or asyncio.ensure_future(anext(incoming, None))
                     if after_run.done() and after_run.result() is not None:
                         run.stop()
-                self.metrics.observe_plain_run(done)
+                self.metrics.observe_multi_step(done)
             yield local.closed() if local is not None else Closed()
         finally:
             session.prefilled.set()  # nobody waits for a prefill that will not come
@@ -362,8 +362,8 @@ class TargetCore:
                                                                f"target's max_window_tokens), got {cap}")
         return local
 
-    def _plain_run(self, session: TargetSession, req: WindowRequest, steps: int,
-                   local: LocalDrafting | None = None) -> PlainRun:
+    def _multi_step(self, session: TargetSession, req: WindowRequest, steps: int,
+                   local: LocalDrafting | None = None) -> MultiStep:
         """Start `steps` plain decoding steps (with local drafting: rounds); each goes on unless
         the last ended the text (an end-of-sequence token) or filled the context (or the
         length the session drafts to)."""
@@ -384,7 +384,7 @@ class TargetCore:
             return step()
 
         ids, judge, rows, window = step()
-        run = PlainRun(next_step)
+        run = MultiStep(next_step)
         self.batcher.start_run(session.kv, ids, judge, run, session.features, window, rows)
         return run
 
@@ -405,12 +405,12 @@ class TargetCore:
 
 
 def plain_steps(req: WindowRequest, drafts_here: bool = False) -> int:
-    """The decoding steps a request asks for: a plain run's length (steps) or one (drafts_here:
+    """The decoding steps a request asks for: a multi-step run's length (steps) or one (drafts_here:
     rounds of a session that drafts on the target, which brings no drafts)."""
     if drafts_here and (req.drafts or req.side_tokens):
         raise InvalidRequest("tokens", "a session that drafts on the target verifies only its own drafts")
     if req.steps > 1 and (req.drafts or req.side_tokens):
-        raise InvalidRequest("steps", "a plain run (steps > 1) verifies no draft tokens")
+        raise InvalidRequest("steps", "a multi-step run (steps > 1) verifies no draft tokens")
     if req.steps > MAX_PLAIN_STEPS:
         raise InvalidRequest("steps", f"at most {MAX_PLAIN_STEPS}, got {req.steps}")
     return max(req.steps, 1)

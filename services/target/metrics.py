@@ -17,7 +17,7 @@
   specd_verify_gather_missed_total        counter: sessions the previous forward answered that were
                                           not back when the next one started
   specd_verify_next_steps_seconds         histogram: seconds between forward passes spent queueing
-                                          the plain runs' next steps, with the target's own drafting
+                                          the multi-step runs' next steps, with the target's own drafting
                                           for its sessions (--drafter): on the path from one forward
                                           to the next
   specd_target_prefill_chunks_total       counter: prompt chunks prefilled (prefill_chunk tokens each)
@@ -92,7 +92,7 @@ class TargetMetrics:
                                      "the next started", ["model"], registry=registry)
         self.gather_missed.labels(self.model)
         self.next_steps_s = Histogram("specd_verify_next_steps_seconds", "seconds between forwards spent on "
-                                      "plain runs' next steps (the target's own drafting included)", ["model"],
+                                      "multi-step runs' next steps (the target's own drafting included)", ["model"],
                                       buckets=STEP_BUCKETS, registry=registry)
         depth = Gauge("specd_verify_queue_depth", "verifications waiting for a forward", ["model"],
                       registry=registry)
@@ -114,7 +114,7 @@ class TargetMetrics:
         self.refused = Counter("specd_target_refused_sessions", "sessions refused at once: every KV slot taken, "
                                "or over the latency budget", ["model"], registry=registry)
         self.refused.labels(model)  # a zero series from the start
-        self.plain_runs = Histogram("specd_target_plain_run_steps", "decoding steps per plain run (Verify.steps): "
+        self.multi_step = Histogram("specd_target_run_steps", "decoding steps per multi-step run (Verify.steps): "
                                     "target-only decoding without a round trip per token", ["model"],
                                     buckets=TOKEN_BUCKETS, registry=registry)
 
@@ -136,8 +136,8 @@ class TargetMetrics:
         self.gather_missed.labels(self.model).inc(batch.missed)
         self.next_steps_s.labels(self.model).observe(batch.steps_seconds)
 
-    def observe_plain_run(self, steps: int) -> None:
-        self.plain_runs.labels(self.model).observe(steps)
+    def observe_multi_step(self, steps: int) -> None:
+        self.multi_step.labels(self.model).observe(steps)
 
     def observe_prefill_chunk(self) -> None:
         self.prefill_chunks.labels(self.model).inc()

@@ -42,7 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         costs = common_pb2.Costs(verify_seconds=c.value("verify_seconds"), batch_seconds=c.value("batch_seconds"),
                                  batch_token_seconds=c.value("batch_token_seconds"))
         return target_pb2.TargetInfo(model=model_info(self.target), max_batch_size=self.core.config.max_batch_size,
-                                     costs=costs, plain_runs=True, drafter=drafter.name if drafter else "",
+                                     costs=costs, multi_step=True, drafter=drafter.name if drafter else "",
                                      drafter_kind=drafter.kind if drafter else "")
 
     async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:

@@ -19,7 +19,7 @@ answers, whenever the target is free:
   was held of older epochs is stale.
 
 A draft token is anything with `epoch`, `position`, `token`; a window end anything with `epoch`,
-`start`, `end`, `plain_rounds`, `side_tokens`, `side_parents` (the draft service's messages).
+`start`, `end`, `repeat`, `side_tokens`, `side_parents` (the draft service's messages).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class Sequencer:
         if window.epoch < self.epoch:
             return
         self.window_ends.append(window)
-        if window.start == window.end and window.plain_rounds > 1:
-            self.plain_until = max(self.plain_until, window.start + window.plain_rounds)
+        if window.start == window.end and window.repeat > 1:
+            self.plain_until = max(self.plain_until, window.start + window.repeat)
         if threshold is not None:
             self.threshold = threshold
 

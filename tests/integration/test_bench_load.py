@@ -48,10 +48,10 @@ def test_concurrent_streams_through_the_stack_answer_as_the_target_alone(stack, 
             assert 1 <= target["sessions_per_forward"] <= int(level[1:])
             assert target["tokens_per_forward"] >= target["sessions_per_forward"]
             assert target["gather_ms"] >= 0 and target["missed_per_forward"] >= 0 and target["next_steps_ms"] >= 0
-            if mode == "none":  # target-only answers are plain runs after their first step
-                assert target["plain_share"] > 0.5
+            if mode == "none":  # target-only answers are multi-step runs after their first step
+                assert target["multi_step_share"] > 0.5
             if mode == "heuristic":  # every step verifies drafts
-                assert target["plain_share"] < 0.5
+                assert target["multi_step_share"] < 0.5
         for mode in ("heuristic", "cost-aware"):
             assert doc["compare"][level][mode]["identical_to_none"] == "4/4"
     costs = asyncio.run(bench_load.target_costs(stack.address("target")))  # what results.json records

@@ -198,11 +198,11 @@ def test_a_cells_forwards_are_the_difference_of_two_scrapes_and_the_fit_as_it_en
     before = dict.fromkeys(TARGET_SAMPLES, 0.0) | {"load_fit_base": 1.0, "load_fit_token": 1.0}
     after = before | {"specd_verify_batch_size_count": 10.0, "specd_verify_batch_size_sum": 40.0,
                       "specd_target_forward_tokens_sum": 60.0, "specd_verify_seconds_sum": 0.5,
-                      "specd_verify_seconds_count": 10.0, "specd_target_plain_run_steps_sum": 40.0,
+                      "specd_verify_seconds_count": 10.0, "specd_target_run_steps_sum": 40.0,
                       "load_fit_base": 0.91, "load_fit_token": 1.2437}
     t = target_stats(before, after, 2.0)
     assert (t["forwards_per_s"], t["sessions_per_forward"], t["tokens_per_forward"], t["forward_ms"]) == (5.0, 4.0,
                                                                                                           6.0, 50.0)
-    assert t["fit"] == [0.91, 1.244] and t["plain_share"] == 1.0
+    assert t["fit"] == [0.91, 1.244] and t["multi_step_share"] == 1.0
     older = {k: v for k, v in after.items() if not k.startswith("load_fit")}  # a target without the gauge
     assert target_stats(before, older, 2.0)["fit"] is None

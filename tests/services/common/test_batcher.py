@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.common.batcher import Job, PlainRun, StepBatcher, judge_windows
+from services.common.batcher import Job, MultiStep, StepBatcher, judge_windows
 from specd.cost_model import smoothed
 from specd.types import SamplingParams
 from specd.verify import Window, verify_window
@@ -100,7 +100,7 @@ def test_each_forward_reports_its_wait_for_the_last_ones_sessions(pooled):
 
 
 def test_a_session_answered_while_another_queued_is_waited_for_not_left_behind(pooled):
-    """b arrives during a's forward; a, answered, comes straight back. With no plain run in
+    """b arrives during a's forward; a, answered, comes straight back. With no multi-step run in
     that forward, the worker hands a its result and waits for it rather than starting b's
     forward at once, which would split the two into alternating halves for good."""
     import time
@@ -282,8 +282,8 @@ class _Recorded(asyncio.Queue):
         super().put_nowait(item)
 
 
-def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tuple[list, list]:
-    """One session's plain run of `steps` steps (None: endless) through the batcher: the events
+def _multi_step(pooled, steps: int | None, stop_after: int | None = None) -> tuple[list, list]:
+    """One session's multi-step run of `steps` steps (None: endless) through the batcher: the events
     (each forward started, each result handed over, the end) and the tokens read. stop_after:
     the reader stops the run after reading that many results."""
     events: list = []
@@ -303,7 +303,7 @@ def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tupl
                         return None
                 return [7], then, 1, None
 
-            run = PlainRun(next_step, _Recorded(events))
+            run = MultiStep(next_step, _Recorded(events))
             batcher.start_run(a, [7], then, run)
             tokens = []
             while (item := await asyncio.wait_for(run.results.get(), 5.0)) is not None:
@@ -317,23 +317,23 @@ def _plain_run(pooled, steps: int | None, stop_after: int | None = None) -> tupl
     return events, tokens
 
 
-def test_a_plain_runs_next_step_starts_before_its_last_result_is_handed_over(pooled):
+def test_a_multi_step_runs_next_step_starts_before_its_last_result_is_handed_over(pooled):
     """The worker queues a run's next step itself and starts that forward first, so each
     reply travels while the next forward runs; the last result is followed by the end."""
-    events, tokens = _plain_run(pooled, steps=3)
+    events, tokens = _multi_step(pooled, steps=3)
     assert events == ["forward", "forward", "result", "forward", "result", "result", "end"]
     assert len(tokens) == 3
 
 
-def test_a_stopped_plain_run_ends_after_the_step_already_started(pooled):
+def test_a_stopped_multi_step_run_ends_after_the_step_already_started(pooled):
     """Stopped after its first result (a client that spoke), a run hands over the step that
     was already running and ends; no further forward runs for it."""
-    events, tokens = _plain_run(pooled, steps=None, stop_after=1)
+    events, tokens = _multi_step(pooled, steps=None, stop_after=1)
     assert events == ["forward", "forward", "result", "result", "end"]
     assert len(tokens) == 2
 
 
-def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on(pooled):
+def test_a_multi_step_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on(pooled):
     """The error comes after the step that was computed, then the end; other sessions' steps
     still run (the worker does not die with the run)."""
     def then(logits, hidden):
@@ -344,7 +344,7 @@ def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on
 
     async def main():
         async with _batcher(pooled) as (batcher, a, b):
-            run = PlainRun(next_step)
+            run = MultiStep(next_step)
             batcher.start_run(a, [7], then, run)
             items = [await asyncio.wait_for(run.results.get(), 5.0) for _ in range(3)]
             after = await asyncio.wait_for(batcher.submit(b, [7], 1, then), 5.0)
@@ -357,7 +357,7 @@ def test_a_plain_run_whose_next_step_fails_gets_the_error_and_the_worker_goes_on
 
 def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: float = 0.03,
                        gather: float = 0.5) -> list:
-    """Session a in an endless plain run and session b travelling: each of its results goes back
+    """Session a in an endless multi-step run and session b travelling: each of its results goes back
     to its coordinator, which sends the next window `round_trip` seconds later. Every verdict
     takes `forward` seconds. How each forward was gathered, until b's `rounds` rounds are done."""
     import time
@@ -370,7 +370,7 @@ def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: floa
 
     async def main():
         async with _batcher(pooled, gather, seen.append) as (batcher, a, b):
-            run = PlainRun(lambda: ([7], then, 1, None))
+            run = MultiStep(lambda: ([7], then, 1, None))
             batcher.start_run(a, [7], then, run)
 
             async def drain():
@@ -388,9 +388,9 @@ def _run_and_traveller(pooled, round_trip: float, rounds: int = 6, forward: floa
     return seen
 
 
-def test_a_traveller_back_well_within_a_forward_is_waited_for_by_the_plain_runs(pooled):
-    """A CPU's case: the round trip (5 ms) is short beside the forward (30 ms), so the plain run
-    waits for the traveller, which joins every forward. Before, a forward with as many plain runs
+def test_a_traveller_back_well_within_a_forward_is_waited_for_by_the_multi_step_runs(pooled):
+    """A CPU's case: the round trip (5 ms) is short beside the forward (30 ms), so the multi-step run
+    waits for the traveller, which joins every forward. Before, a forward with as many multi-step runs
     as travellers started at once and the traveller missed every other forward."""
     seen = _run_and_traveller(pooled, round_trip=0.005, gather=4.0)  # a wait long enough for a busy CI
     with_b = [g for g in seen if g.sessions == 2]
@@ -399,17 +399,17 @@ def test_a_traveller_back_well_within_a_forward_is_waited_for_by_the_plain_runs(
     assert all(g.missed == 0 for g in seen)
 
 
-def test_a_traveller_slower_than_a_forward_does_not_hold_up_the_plain_runs(pooled):
+def test_a_traveller_slower_than_a_forward_does_not_hold_up_the_multi_step_runs(pooled):
     """The opposite case: the round trip (120 ms) is longer than the forward (30 ms). Once it is
-    measured, the plain run's next steps start at once rather than waiting for the traveller."""
+    measured, the multi-step run's next steps start at once rather than waiting for the traveller."""
     seen = _run_and_traveller(pooled, round_trip=0.12, rounds=4)
     later = seen[len(seen) // 2:]
     assert len(seen) >= 10  # a ran on while b travelled
     assert all(g.gather_seconds < 0.01 for g in later)
 
 
-def test_each_forward_reports_the_time_spent_on_the_plain_runs_next_steps(pooled):
-    """specd_verify_next_steps_seconds: a plain run whose next step takes 30 ms (a target
+def test_each_forward_reports_the_time_spent_on_the_multi_step_runs_next_steps(pooled):
+    """specd_verify_next_steps_seconds: a multi-step run whose next step takes 30 ms (a target
     drafting its window) shows it on the forwards after the first, which had none before it."""
     import time
 
@@ -424,7 +424,7 @@ def test_each_forward_reports_the_time_spent_on_the_plain_runs_next_steps(pooled
 
     async def main():
         async with _batcher(pooled, 0.0, seen.append) as (batcher, a, b):
-            run = PlainRun(next_step)
+            run = MultiStep(next_step)
             batcher.start_run(a, [7], then, run)
             for _ in range(3):
                 await asyncio.wait_for(run.results.get(), 5.0)

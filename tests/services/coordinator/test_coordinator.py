@@ -217,14 +217,14 @@ def test_sampling_runs_with_both_modes(target_service, hf_draft_service):
         assert 0 < len(ids) <= 24 and not finish.spec_stats["fallback"]
 
 
-def test_the_target_alone_decodes_in_one_plain_run_and_a_stop_string_closes_it(chat_pair, target_service):
-    """A target-only answer is one Verify (a plain run: no round trip per token); a stop string
+def test_the_target_alone_decodes_in_one_multi_step_run_and_a_stop_string_closes_it(chat_pair, target_service):
+    """A target-only answer is one Verify (a multi-step run: no round trip per token); a stop string
     met during the run still closes the target's session cleanly."""
     reg, model = target_service.servicer.registry, {"model": chat_pair[0].name}
 
     def runs() -> tuple[float, float]:
-        return (reg.get_sample_value("specd_target_plain_run_steps_count", model) or 0,
-                reg.get_sample_value("specd_target_plain_run_steps_sum", model) or 0)
+        return (reg.get_sample_value("specd_target_run_steps_count", model) or 0,
+                reg.get_sample_value("specd_target_run_steps_sum", model) or 0)
 
     def closed_ok() -> float:
         return reg.get_sample_value("specd_grpc_requests_total", {"service": "target", "method": "Session",
@@ -246,7 +246,7 @@ def test_the_target_alone_decodes_in_one_plain_run_and_a_stop_string_closes_it(c
 
 
 def test_tokens_that_wait_for_a_slow_reader_come_as_one_event(chat_pair, target_service):
-    """A plain run goes on while the caller is busy; what it computed meanwhile comes in one event."""
+    """A multi-step run goes on while the caller is busy; what it computed meanwhile comes in one event."""
     async def run():
         coord = Coordinator(CoordinatorConfig(target_service.address, None), AsyncMemoryStateStore())
         await coord.connect()

@@ -380,7 +380,7 @@ class PlainStretches(StoppingPolicy):
 
 def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it_ends():
     """A policy that knows it will not draft for four rounds says so in one empty WindowEnd
-    (plain_rounds 4): the coordinator then verifies four plain steps without waiting on the
+    (repeat 4): the coordinator then verifies four plain steps without waiting on the
     draft, the runner drafts nothing until they are committed, and each is timed as plain."""
     policy = PlainStretches()
 
@@ -397,7 +397,7 @@ def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it
 
     events = asyncio.run(run())
     ends = [e for e in events if isinstance(e, WindowEnd)]
-    assert [(e.start, e.end, e.plain_rounds) for e in ends] == [(3, 3, 4)]
+    assert [(e.start, e.end, e.repeat) for e in ends] == [(3, 3, 4)]
     assert policy.asked == 2 and policy.paces == [False, False, False]  # the first commit is not timed
 
 

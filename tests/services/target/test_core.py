@@ -42,7 +42,7 @@ def _alone(target, n: int) -> list[int]:
     return SpeculativeEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=n), SpecParams("none")).token_ids
 
 
-def test_single_steps_and_a_plain_run_decode_the_target_alone(core, tiny_target):
+def test_single_steps_and_a_multi_step_run_decode_the_target_alone(core, tiny_target):
     out = _run(core, OpenRequest(prompt=PROMPT, sampling=GREEDY), WindowRequest(verify_id=1),
                WindowRequest(verify_id=2), WindowRequest(verify_id=3, steps=6))
     replies, closed = out[:-1], out[-1]

@@ -185,14 +185,14 @@ def padded(service_loop):
     svc.stop()
 
 
-def _plain_run(address: str, sampling: SamplingParams, steps: int, drafts: list[int] = ()) -> list[int]:
+def _multi_step(address: str, sampling: SamplingParams, steps: int, drafts: list[int] = ()) -> list[int]:
     async def run():
         async with channel(address) as ch:
             call = target_pb2_grpc.TargetServiceStub(ch).Session(timeout=30)
             await call.write(target_pb2.TargetRequest(open=target_pb2.OpenTarget(
                 prompt_ids=PROMPT, sampling=sampling_to_proto(sampling))))
             out = []
-            if drafts:  # one window of drafts (point masses), then the plain run
+            if drafts:  # one window of drafts (point masses), then the multi-step run
                 await call.write(target_pb2.TargetRequest(verify=target_pb2.Verify(
                     verify_id=1, tokens=list(drafts), probs=[1.0] * len(drafts))))
                 v = (await call.read()).verified
@@ -211,7 +211,7 @@ def test_ids_past_the_tokenizer_are_never_emitted(padded):
     padding id at most steps), through plain steps and through verified drafts alike; sampled
     and seeded: every id is one the tokenizer knows."""
     svc, target, n = padded
-    ids = _plain_run(svc.address, SamplingParams(), 16)
+    ids = _multi_step(svc.address, SamplingParams(), 16)
     seq, pad_wins = list(PROMPT), 0
     with torch.no_grad():
         for token in ids:
@@ -220,9 +220,9 @@ def test_ids_past_the_tokenizer_are_never_emitted(padded):
             assert token == int(logits[:n].argmax())
             seq.append(token)
     assert pad_wins > 0  # the model would have emitted padding ids
-    assert _plain_run(svc.address, SamplingParams(), 8, drafts=ids[:4]) == ids[:13]  # 4 drafts, 1, 8 steps
+    assert _multi_step(svc.address, SamplingParams(), 8, drafts=ids[:4]) == ids[:13]  # 4 drafts, 1, 8 steps
     for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7)):
-        assert all(0 <= t < n for t in _plain_run(svc.address, sampling, 24))
+        assert all(0 <= t < n for t in _multi_step(svc.address, sampling, 24))
     # a draft id past the tokenizer is refused, naming the field
     e = one_verify(svc.address, target_pb2.Verify(verify_id=1, tokens=[n + 1], probs=[1.0]), SamplingParams())
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("tokens: ")
@@ -236,7 +236,7 @@ def test_the_engine_in_process_emits_what_the_target_service_emits(padded):
 
     svc, target, n = padded
     for sampling in (SamplingParams(max_new_tokens=16), SamplingParams(temperature=1.0, seed=7, max_new_tokens=16)):
-        want = _plain_run(svc.address, sampling, 16)
+        want = _multi_step(svc.address, sampling, 16)
         got = SpeculativeEngine(target).generate(PROMPT, sampling, SpecParams("none")).token_ids
         assert got == want[:len(got)] and all(t < n for t in got), sampling
 

@@ -200,7 +200,7 @@ def test_a_session_opened_the_moment_another_closed_gets_its_slot(pooled_service
     eventually(lambda: servicer.target.pool.in_use() == 0)
 
 
-def test_a_client_gone_during_a_plain_run_frees_its_slot(pooled_service):
+def test_a_client_gone_during_a_multi_step_run_frees_its_slot(pooled_service):
     """The run stops with the call: no step of it is queued any more, and its KV slot is free."""
     servicer = pooled_service.servicer
     pool = servicer.target.pool

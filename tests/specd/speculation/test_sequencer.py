@@ -13,8 +13,8 @@ def tok(position, token, epoch=0):
     return SimpleNamespace(epoch=epoch, position=position, token=token, prob=1.0, entropy=0.0, q=None)
 
 
-def end(start, stop, epoch=0, plain_rounds=0, side_tokens=(), side_parents=()):
-    return SimpleNamespace(epoch=epoch, start=start, end=stop, plain_rounds=plain_rounds,
+def end(start, stop, epoch=0, repeat=0, side_tokens=(), side_parents=()):
+    return SimpleNamespace(epoch=epoch, start=start, end=stop, repeat=repeat,
                            side_tokens=side_tokens, side_parents=side_parents)
 
 
@@ -67,7 +67,7 @@ def test_pearl_starts_without_the_draft_and_sends_a_window_as_far_as_it_goes():
 
 def test_promised_plain_rounds_need_no_acknowledgement_and_run_back_to_back():
     s = seq()
-    s.window_ended(end(3, 3, plain_rounds=3))
+    s.window_ended(end(3, 3, repeat=3))
     chunk = s.next_chunk()
     assert chunk.drafts == [] and s.steps(chunk, back_to_back=True) == 3 and s.steps(chunk, back_to_back=False) == 1
     s.verified(chunk, 0, 5)
@@ -93,7 +93,7 @@ def test_eos_and_the_length_cut_a_verdict_and_end_without_telling_the_draft():
     assert s.verified(s.next_chunk(), 0, 4).finish_reason == "length"
 
 
-def test_without_a_draft_every_chunk_is_a_plain_run_to_the_end():
+def test_without_a_draft_every_chunk_is_a_multi_step_run_to_the_end():
     s = seq()
     s.proposed(tok(3, 7))
     s.stop_drafting()  # the draft service died

@@ -154,13 +154,13 @@ class DraftToken(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., position: _Optional[int] = ..., token: _Optional[int] = ..., prob: _Optional[float] = ..., entropy: _Optional[float] = ..., q: _Optional[_Union[_common_pb2.Distribution, _Mapping]] = ...) -> None: ...
 
 class WindowEnd(_message.Message):
-    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold", "plain_rounds", "side_tokens", "side_parents")
+    __slots__ = ("epoch", "start", "end", "reason", "relaxed_threshold", "repeat", "side_tokens", "side_parents")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RELAXED_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
-    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     SIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SIDE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
@@ -168,10 +168,10 @@ class WindowEnd(_message.Message):
     end: int
     reason: StopReason
     relaxed_threshold: float
-    plain_rounds: int
+    repeat: int
     side_tokens: _containers.RepeatedScalarFieldContainer[int]
     side_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ..., plain_rounds: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., reason: _Optional[_Union[StopReason, str]] = ..., relaxed_threshold: _Optional[float] = ..., repeat: _Optional[int] = ..., side_tokens: _Optional[_Iterable[int]] = ..., side_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitAck(_message.Message):
     __slots__ = ("commit_id", "epoch")

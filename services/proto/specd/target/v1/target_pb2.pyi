@@ -8,20 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "max_batch_size", "costs", "plain_runs", "drafter", "drafter_kind")
+    __slots__ = ("model", "max_batch_size", "costs", "multi_step", "drafter", "drafter_kind")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
-    PLAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_batch_size: int
     costs: _common_pb2.Costs
-    plain_runs: bool
+    multi_step: bool
     drafter: str
     drafter_kind: str
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., costs: _Optional[_Union[_common_pb2.Costs, _Mapping]] = ..., plain_runs: _Optional[bool] = ..., drafter: _Optional[str] = ..., drafter_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., costs: _Optional[_Union[_common_pb2.Costs, _Mapping]] = ..., multi_step: _Optional[bool] = ..., drafter: _Optional[str] = ..., drafter_kind: _Optional[str] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)

@@ -1,4 +1,4 @@
-"""Plain runs over real gRPC: one Verify with steps = N is answered by N Verified messages
+"""Multi-step runs over real gRPC: one Verify with steps = N is answered by N Verified messages
 equal to N single plain steps (greedy and seeded sampling), ends early at an end-of-sequence
 token or when the client sends Close, and is refused with drafts or past its cap, naming
 `steps`."""
@@ -28,7 +28,7 @@ SEEDED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=64)
 
 
 def _session(address, verifies, sampling=GREEDY, close_after: int | None = None):
-    """Open, send each Verify once the one before is answered (a last plain run is read to the
+    """Open, send each Verify once the one before is answered (a last multi-step run is read to the
     end of the call): (tokens, replies, closed). close_after: send Close once this many replies have come (during a run), without waiting."""
     async def run():
         async with channel(address) as ch:
@@ -60,31 +60,31 @@ def _steps(n: int) -> list[target_pb2.Verify]:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_plain_run_is_the_same_plain_steps_one_reply_each(target_service, sampling):
+def test_a_multi_step_run_is_the_same_plain_steps_one_reply_each(target_service, sampling):
     one_by_one, _, _ = _session(target_service.address, _steps(12), sampling)
     run, replies, closed = _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=12)], sampling)
     assert run == one_by_one and closed
     assert all(r.num_accepted == 0 and r.forward_seconds > 0 for r in replies)
     assert replies[0].prefill_seconds > 0 and not any(r.prefill_seconds for r in replies[1:])
-    # A plain run after single steps, and a step after a run, go on from where the session is.
+    # A multi-step run after single steps, and a step after a run, go on from where the session is.
     mixed, _, _ = _session(target_service.address, [*_steps(3), target_pb2.Verify(verify_id=4, steps=7),
                                                     *_steps(2)], sampling)
     assert mixed == one_by_one
 
 
-def test_the_target_says_it_runs_plain_runs_and_counts_their_steps(target_service):
+def test_the_target_says_it_runs_multi_step_runs_and_counts_their_steps(target_service):
     async def info():
         async with channel(target_service.address) as ch:
             return await target_pb2_grpc.TargetServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=10)
 
-    assert asyncio.run(info()).plain_runs
+    assert asyncio.run(info()).multi_step
     registry, labels = target_service.servicer.registry, {"model": target_service.servicer.target.name}
-    before = registry.get_sample_value("specd_target_plain_run_steps_sum", labels) or 0
+    before = registry.get_sample_value("specd_target_run_steps_sum", labels) or 0
     _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=5)])
-    assert registry.get_sample_value("specd_target_plain_run_steps_sum", labels) == before + 5
+    assert registry.get_sample_value("specd_target_run_steps_sum", labels) == before + 5
 
 
-def test_a_plain_run_ends_at_an_end_of_sequence_token(service_loop, chat_pair, target_service):
+def test_a_multi_step_run_ends_at_an_end_of_sequence_token(service_loop, chat_pair, target_service):
     tokens, _, _ = _session(target_service.address, _steps(8))
     eos = tokens[3]  # the fourth token ends the run (an earlier equal one would end it first)
     servicer = TargetServicer(dataclasses.replace(chat_pair[0], eos_token_ids=frozenset({eos})))
@@ -97,7 +97,7 @@ def test_a_plain_run_ends_at_an_end_of_sequence_token(service_loop, chat_pair, t
     assert run == tokens[:tokens.index(eos) + 1] and closed
 
 
-def test_close_during_a_plain_run_ends_it_there(target_service):
+def test_close_during_a_multi_step_run_ends_it_there(target_service):
     steps = 400
     _, replies, closed = _session(target_service.address, [target_pb2.Verify(verify_id=1, steps=steps)],
                                   close_after=1)
@@ -108,7 +108,7 @@ def test_close_during_a_plain_run_ends_it_there(target_service):
                                     target_pb2.Verify(verify_id=1, side_tokens=[3], side_parents=[-1], steps=4),
                                     target_pb2.Verify(verify_id=1, steps=MAX_PLAIN_STEPS + 1)],
                          ids=["with-drafts", "with-a-tree", "too-long"])
-def test_a_bad_plain_run_is_invalid_argument_naming_steps(target_service, verify):
+def test_a_bad_multi_step_run_is_invalid_argument_naming_steps(target_service, verify):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _session(target_service.address, [verify])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "steps" in e.value.details()
