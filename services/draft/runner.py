@@ -137,7 +137,7 @@ class DraftRunner:
         self.pace = PaceClock(policy)  # rounds timed commit to commit (specd.speculation.pace)
         self.load_caps = load_caps
         self.sessions = 1  # in the target forward that verified this session's last chunk
-        self.plain_until = 0  # no drafting before this position: a stretch of plain rounds promised
+        self.plain_from = self.plain_until = 0  # no drafting in [from, until): a stretch of plain rounds promised
         self.trees, self.t_target = trees, t_target
         self.rounds = self.accepted = 0  # verifications and the drafts they kept (a tree's mean tokens)
         self.vocab_size: int | None = None  # ids a commit may carry (None: any id >= 0)
@@ -203,7 +203,7 @@ class DraftRunner:
             # With trees every round is asked for (a gated round may still verify the lookups).
             stretch = 1 if by_load or self.trees is not None else self.policy.plain_rounds()
             rounds = max(1, min(stretch, self.max_length - 1 - window.start))
-            self.plain_until = window.start + rounds
+            self.plain_from, self.plain_until = window.start, window.start + rounds
             window.stretch = rounds
             self._end(window, "policy", rounds, tree=not by_load)
             return None
@@ -296,6 +296,8 @@ class DraftRunner:
             del self.seq[s + agree:]
             self.rollback_to = s + agree
             self.epoch += 1
+            if s + agree < self.plain_from:  # a stretch promised on the discarded drafts (PEARL) goes too
+                self.plain_from = self.plain_until = 0
         elif len(self.seq) < s + len(new):
             # Verification overtook the drafting (PEARL pre-verify, or a tree's longer side path):
             # the open window ends where its drafts do, and the next draft starts a new one (a

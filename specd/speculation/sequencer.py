@@ -12,6 +12,8 @@ answers, whenever the target is free:
   as it goes, and the first token does not wait for the draft's prefill.
 - `steps`: how many windows of k = 0 the target may run back to back for it, where no draft
   will be verified before their end (the target alone, or the plain rounds the draft promised).
+  A promise made on drafts that a rollback then discards (PEARL drafts the next window before
+  the current one is judged) goes with them, on both sides.
 - `verified`: a verdict's tokens committed (EOS and length cut them, specd.speculation.round),
   the drafts it settled forgotten, and whether the draft must be told (a commit it acknowledges
   with its epoch; until then no chunk is sent, unless the draft promised plain rounds).
@@ -67,7 +69,8 @@ class Sequencer:
         self.drafting = drafting
         self.drafts: dict[int, object] = {}  # position -> draft token, ahead of seq
         self.window_ends: list = []
-        self.plain_until = 0  # the draft drafts nothing before this position: plain rounds, no waiting
+        # Plain rounds the draft promised: it drafts nothing in [from, until), promised in `epoch`.
+        self.plain_from = self.plain_until = self.plain_epoch = 0
         self.epoch = 0  # the draft's epoch as of its last acknowledgement
         self.unacked = 0  # commits the draft has not acknowledged
         self.threshold: float | None = None  # AdaSD's relaxed threshold, as the draft last said
@@ -82,7 +85,8 @@ class Sequencer:
             return
         self.window_ends.append(window)
         if window.start == window.end and window.repeat > 1:
-            self.plain_until = max(self.plain_until, window.start + window.repeat)
+            self.plain_from, self.plain_until = window.start, window.start + window.repeat
+            self.plain_epoch = window.epoch
         if threshold is not None:
             self.threshold = threshold
 
@@ -92,6 +96,8 @@ class Sequencer:
             self.epoch = epoch
             self.drafts = {p: t for p, t in self.drafts.items() if t.epoch >= epoch}
             self.window_ends = [w for w in self.window_ends if w.epoch >= epoch]
+            if self.plain_epoch < epoch and len(self.seq) < self.plain_until:
+                self.plain_from = self.plain_until = 0  # promised past drafts the rollback discarded
 
     def stop_drafting(self) -> None:
         """The draft is gone (fallback): the target alone from here."""
@@ -102,7 +108,7 @@ class Sequencer:
     # -- what the target verifies -------------------------------------------------------------
     def next_chunk(self) -> Chunk | None:
         c = len(self.seq)
-        if not self.drafting or c < self.plain_until:
+        if not self.drafting or self._in_plain(c):
             return Chunk(c, [])  # a plain round the draft promised: its commits need no acknowledgement first
         if self.overlap and c == self.prompt_len and not self.drafts and not self.window_ends:
             return Chunk(c, [])  # PEARL: the first token does not wait for the draft's prefill
@@ -121,6 +127,12 @@ class Sequencer:
             return None
         return Chunk(c, drafts, *self._tree_side(c, len(drafts)))
 
+    def _in_plain(self, c: int) -> bool:
+        """Whether position c is in the plain rounds the draft promised. The first of them waits
+        for every commit before it to be acknowledged: one that rolled the draft back also took
+        the promise (made on the drafts it discarded) away."""
+        return self.plain_from <= c < self.plain_until and (c > self.plain_from or not self.unacked)
+
     def _tree_side(self, start: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The side nodes of the window a chunk from `start` of k drafts is, when it is the whole
         window and the draft grew it into a tree; a part of one verifies a chain."""
@@ -133,6 +145,8 @@ class Sequencer:
         """Decoding steps to ask for: for an empty chunk, every step up to the next draft to
         verify (back_to_back: the target can run several for one request), else one."""
         if chunk.drafts or not back_to_back:
+            return 1
+        if self.drafting and not self._in_plain(len(self.seq)):
             return 1
         until = self.max_length if not self.drafting else self.plain_until
         return max(min(until, self.max_length) - len(self.seq), 1)

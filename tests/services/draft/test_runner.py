@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, Future
 
+import pytest
+
 from services.draft.runner import Ack, Commit, DraftRunner, Token, WindowEnd
 from specd.drafters.base import DraftSession, DraftToken
 from specd.policies import Decision, PolicyParams, StoppingPolicy, build_policy
@@ -399,6 +401,49 @@ def test_a_stretch_of_plain_rounds_is_announced_once_and_drafts_nothing_until_it
     ends = [e for e in events if isinstance(e, WindowEnd)]
     assert [(e.start, e.end, e.repeat) for e in ends] == [(3, 3, 4)]
     assert policy.asked == 2 and policy.paces == [False, False, False]  # the first commit is not timed
+
+
+class DraftsThenDeclines(StoppingPolicy):
+    """Drafts a window of three, then declines the next round for `rounds` plain rounds."""
+
+    name = "drafts-then-declines"
+
+    def __init__(self, rounds: int):
+        super().__init__(PolicyParams())
+        self.rounds, self.asked = rounds, 0
+
+    def should_draft(self):
+        self.asked += 1
+        return self.asked != 2
+
+    def plain_rounds(self):
+        return self.rounds
+
+    def decide(self, step):
+        return Decision.STOP if step.index == 3 else Decision.CONTINUE
+
+
+@pytest.mark.parametrize("rounds", [1, 4])
+def test_a_stretch_promised_on_drafts_a_rollback_discards_goes_with_them(rounds):
+    """PEARL: the next round is declined on top of a window not yet verified. A rejection in
+    that window discards the position the stretch was promised at, so the runner drafts again
+    from the new sequence. It used to wait for the stretch's end, which no commit would reach
+    (with one round the coordinator waits for drafts: the request stalled, then fell back)."""
+    async def run():
+        runner, events, executor, task = started(DraftsThenDeclines(rounds))
+        for _ in range(3):
+            await settle()
+            executor.step()  # drafts positions 3, 4, 5
+        await settle()
+        ends = [(e.start, e.end, e.repeat) for e in events if isinstance(e, WindowEnd)]
+        assert ends == [(3, 6, 0), (6, 6, rounds)] and not executor.pending
+        runner.commit(Commit(1, (103, 999), num_verified=2, num_strict=1))  # 104 rejected
+        await settle()
+        assert runner.seq == PROMPT + [103, 999] and runner.plain_until == 0
+        assert executor.pending  # drafting from position 5
+        task.cancel()
+
+    asyncio.run(run())
 
 
 def test_a_stretch_is_timed_from_its_second_round():

@@ -111,3 +111,34 @@ def test_a_whole_window_grown_into_a_tree_carries_its_side_nodes_and_commits_the
     assert (chunk.side_tokens, chunk.side_parents) == ((11, 12), (-1, 0))
     c = s.verified(chunk, 2, 13, accepted_tokens=[7, 12])  # the path took a side node
     assert c.tokens == [7, 12, 13] and not c.continuation_kept
+
+
+def test_pearl_verifies_a_window_before_the_stretch_promised_after_it():
+    """PEARL: the draft declines the round after a window it has not heard back on, promising
+    four plain rounds from position 6. The window's drafts are verified first. If the verdict
+    keeps them all, the stretch starts right after (the bonus token was its first round); if it
+    rejects one, the promise (made on the discarded drafts) goes once the draft acknowledges."""
+    def drafted():
+        s = seq(overlap=True)
+        s.verified(s.next_chunk(), 0, 9)  # the first token, without the draft
+        s.acknowledged(0)
+        for i, t in enumerate([7, 8, 4]):
+            s.proposed(tok(4 + i, t))
+        s.window_ended(end(4, 7))
+        s.window_ended(end(7, 7, repeat=4))
+        return s
+
+    s = drafted()
+    chunk = s.next_chunk()
+    assert [t.token for t in chunk.drafts] == [7, 8, 4]  # not a plain round: the window first
+    s.verified(chunk, 3, 5)  # all kept, 5 is the bonus at 7
+    chunk = s.next_chunk()
+    assert chunk.start == 8 and chunk.drafts == [] and s.steps(chunk, back_to_back=True) == 3
+
+    s = drafted()
+    s.verified(s.next_chunk(), 1, 6)  # 8 rejected at 5: the draft rolls back
+    assert s.next_chunk() is None  # not the stretch: its promise awaits the acknowledgement
+    s.acknowledged(1)
+    assert s.plain_until == 0 and s.next_chunk() is None  # waits for the new drafts
+    s.proposed(tok(6, 3, epoch=1))
+    assert [t.token for t in s.next_chunk().drafts] == [3]
