@@ -222,7 +222,13 @@ class LoadFit:
     (surface_at). (a, b) is the least-squares fit of the forwards observed, on relative errors,
     each older forward weighing `forget` times less, and pulled towards (1, 1) by a ridge of
     `prior` (squared shares of a forward: a few forwards' worth, so the fit starts at the surface
-    and b stays there while no forward has had further tokens); both stay within [0.2, 10]."""
+    and b stays there while no forward has had further tokens); both stay within [0.2, 10].
+
+    b never falls below a: against the surface, a further token costs at least what the
+    forward's base does. The further tokens are a small share of most forwards, so b is the
+    fit's least certain term; read below a it priced drafts as nearly free, and every session
+    drafted its unlikely tokens into a forward that then slowed everyone (docs/benchmarks.md,
+    "Serving many users through the services")."""
 
     batch_seconds: list[float]
     batch_token_seconds: list[float]
@@ -248,7 +254,7 @@ class LoadFit:
         lam = self.prior
         det = (uu + lam) * (vv + lam) - uv * uv
         self.a = min(max(((uz + lam) * (vv + lam) - uv * (vz + lam)) / det, 0.2), 10.0)
-        self.b = min(max(((vz + lam) * (uu + lam) - uv * (uz + lam)) / det, 0.2), 10.0)
+        self.b = min(max(((vz + lam) * (uu + lam) - uv * (uz + lam)) / det, self.a), 10.0)
         self.forwards += 1
 
 

@@ -138,6 +138,17 @@ def test_plain_forwards_leave_the_token_cost_at_the_surfaces():
     assert fit.a == pytest.approx(0.8, rel=0.05) and fit.b == pytest.approx(1.0, abs=0.05)
 
 
+def test_a_further_token_is_never_priced_below_the_forwards_base():
+    """Forwards 1.4x the surface whose few further tokens happen to read 0.3x (noise in the
+    fit's smallest share): b is held at a, so a draft is never priced as nearly free."""
+    fit = LoadFit(*SURFACE)
+    for i in range(300):
+        sessions, extra = 1 + i % 4, i % 2
+        base, per = costs.surface_at(*SURFACE, sessions)
+        fit.observe(sessions, sessions + extra, 1.4 * base + 0.3 * per * extra)
+    assert fit.a == pytest.approx(1.4, rel=0.05) and fit.b == fit.a
+
+
 @pytest.mark.parametrize("others_yield, pays", [(None, True), (3.0, True), (6.0, False)])
 def test_a_drafted_token_pays_only_while_it_buys_more_than_it_delays_what_the_others_emit(others_yield, pays):
     """4 sessions: a further token costs 0.0023 s of a 0.036 s forward, so a draft accepted 35% of
