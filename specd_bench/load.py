@@ -485,7 +485,7 @@ def report(doc: dict) -> str:
     if stats:
         lines += ["", "The target's forwards (from its metrics; forward ms: a forward to its verdicts, the mean a "
                   "session saw; gather ms: the mean wait per forward for the sessions of the last one; missed: "
-                  "those it started without; next steps ms: the mean time per forward spent preparing the plain "
+                  "those it started without; next steps ms: the mean time per forward spent preparing the multi-step "
                   "runs' next steps, the target's own drafting included; fit: what its forwards cost against "
                   "the start-up surface at the level's end, a forward's base and each further token, 1 as "
                   "measured):",

@@ -68,8 +68,8 @@ class Job:
 
 @dataclass(eq=False)
 class MultiStep:
-    """A session's decoding steps that follow each other with no round trip (the target's plain
-    runs, and its rounds where it drafts itself). After each step's forward the worker asks
+    """A session's decoding steps that follow each other with no round trip (the target alone, and
+    its rounds where it drafts itself). After each step's forward the worker asks
     `next_step` for the next one ((ids, then, logits rows, window or None), or None: the run
     ends) and queues it at once; each step's (result, BatchInfo), or its error, goes to
     `results` in order, and None after the last. `stop()` ends it after the steps
@@ -343,8 +343,8 @@ class StepBatcher:
 
     @staticmethod
     def _travellers(jobs: list[Job], going: set[int]) -> list:
-        """The sessions of a forward that go back to their coordinator: verifications, and plain
-        runs that ended."""
+        """The sessions of a forward that go back to their coordinator: verifications, and
+        multi-step runs that ended."""
         return [j.session for j in jobs if (j.run is not None and id(j.run) not in going)
                 or (j.run is None and not j.future.done())]
 

@@ -94,7 +94,6 @@ class GraphRunner:
         self.widths = buckets_up_to(WIDTH_BUCKETS, max_width)
         self.spans = buckets_up_to(SPAN_BUCKETS, pool.max_len)
         self.prefill_widths = tuple(w for w in PREFILL_WIDTHS if self.widths[-1] < w <= pool.max_len)
-        self.row_widths = self.widths + self.prefill_widths  # what a forward of one row may take
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = self.eager = 0  # forwards run each way (the device check reports them)
