@@ -47,6 +47,9 @@ token's draft time and the round's overhead (the round trip between services, wh
 service's stretch of plain rounds skips: the target runs them back to back). In process an
 n-gram lookup is nearly free and is never second-guessed; through the services it is not, and
 the clock decides for it as for a model drafter.
+
+Under load a round is asked first whether any window could beat a plain step in the forward it
+joins were every draft accepted (`could_pay`); where none could, the drafter is not asked at all.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class CostAwarePolicy(StoppingPolicy):
         self.since_explore = 0  # rounds since drafting last paid or was last explored
         self.backoff = params.explore  # rounds between exploring rounds while drafting does not pay
         self.since_plain = 0  # rounds since the last plain round, while drafting pays
+        self.gated = False  # the last round could not pay under the load (could_pay)
         self.begin_round()
 
     # -- the calibration table (shared state) ------------------------------------------------
@@ -214,7 +218,11 @@ class CostAwarePolicy(StoppingPolicy):
     def should_draft(self) -> bool:
         """Draft while drafting pays (`drafting_pays`), with a plain round now and then to keep
         the measured comparison current; while it does not pay, draft only on exploring rounds,
-        spaced further apart each time, so the policy notices when drafting pays again."""
+        spaced further apart each time, so the policy notices when drafting pays again. A round
+        that no window could pay for (`could_pay`) asks the drafter nothing."""
+        self.gated = not self.could_pay()
+        if self.gated:
+            return False
         if self.drafting_pays():
             self.since_explore, self.backoff = 0, self.params.explore
             self.since_plain += 1
@@ -235,11 +243,23 @@ class CostAwarePolicy(StoppingPolicy):
         probe while it pays is one round, or PROBE_ROUNDS where a round costs overhead: a
         stretch's first round pays the round trip that the stretch's others skip, and the draft
         service times only the others (services.draft.runner)."""
-        if self.since_explore == 0:  # plain rounds that drafting pays for (a probe)
+        if self.gated or self.since_explore == 0:  # the load's next check, or a probe drafting pays for
             return PROBE_ROUNDS if self.costs.overhead > 0 else 1
         rounds = self.backoff - self.since_explore
         self.since_explore += rounds - 1
         return rounds
+
+    def could_pay(self) -> bool:
+        """Whether some window could beat a plain step in the forward it joins were every draft
+        accepted. Where even that loses (a compute-bound target under load, each further token
+        of a forward costing what another session's step does, plus the drafting), no lookup or
+        draft step is spent on the round: its tokens could only slow the forward."""
+        costs = self.costs
+        if not costs.loaded():
+            return True
+        plain = costs.loaded_rate(1.0, 0)
+        most = min(self.params.horizon, self.params.max_draft_tokens)
+        return any(costs.loaded_rate(1.0 + k, k) > plain for k in range(1, most + 1))
 
     def drafting_pays(self) -> bool:
         """Whether the rounds that drafted emitted tokens at least PAYOFF_MARGIN as fast as plain

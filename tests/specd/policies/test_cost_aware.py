@@ -222,6 +222,29 @@ def test_under_load_windows_follow_the_batch_they_join():
     assert (k, decision) == (1, D)  # 32 sessions: each token costs as much as another session's step
 
 
+def test_a_round_no_window_could_pay_for_asks_the_drafter_nothing():
+    """Under a compute-bound load each further token of the forward costs what another session's
+    step does: even a window of sure drafts loses, so the round is plain without a lookup (the
+    drafter's time would be spent for a token the policy then drops)."""
+    from specd.speculation.round import draft_window
+    from specd.types import SamplingParams
+
+    class Counting:
+        calls = 0
+
+        def next(self, *_):
+            Counting.calls += 1
+            return None
+
+    busy = loaded_policy((31, 31))
+    window = draft_window(busy, Counting(), [1, 2, 3], SamplingParams(), None, 8, 0)
+    assert not window.ran and Counting.calls == 0
+    assert busy.plain_rounds() == 1  # the load is looked at again next round
+    for quiet in (loaded_policy((3, 3)), loaded_policy(None)):
+        assert draft_window(quiet, Counting(), [1, 2, 3], SamplingParams(), None, 8, 0).ran
+    assert Counting.calls == 2
+
+
 def test_speculation_comes_back_when_the_load_falls():
     """The load is a moving average of what the verifications report, so windows come back over a
     few rounds once the batch shrinks (and not on one quiet forward)."""
