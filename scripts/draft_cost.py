@@ -18,6 +18,10 @@ any stopping policy has with that drafter on that device's curve.
 
     python scripts/draft_cost.py --dataset mt_bench_question.jsonl --prompts 24 \
         --curve docs/bench/gpu-h200/gpu_check.json --out draft_cost.json
+
+With `--others N` and a bench-load results.json as the curve, every window is priced in a forward
+of N other sessions on that run's batched surface: how often the policy asks its drafter under
+that load (`drafter_ran`) and what those rounds cost the host.
 """
 
 from __future__ import annotations
@@ -44,15 +48,25 @@ from specd.types import SamplingParams, SpecParams
 RACE_ROWS = 4  # seeded sampling: a round's first rows of race noise, drawn outside the timer
 
 
-def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None) -> CostCurve:
+def frozen_curve(path: str | None, target, drafter, t_draft: float | None = None, others: int = 0) -> CostCurve:
     """The policy's prices, frozen: from a gpu_check.json (milliseconds), else measured here;
-    t_draft (seconds) replaces the price of a drafted token."""
-    if path is None:
+    t_draft (seconds) replaces the price of a drafted token. others: with a bench-load
+    results.json, every window joins a forward of that many other sessions taking plain steps,
+    priced on its batched surface (`target_costs`)."""
+    doc = json.loads(Path(path).read_text()) if path is not None else None
+    if others and (doc is None or "target_costs" not in doc):
+        raise SystemExit("--others needs a bench-load results.json as --curve (its batched surface)")
+    if doc is None:
         curve = measure_cost_curve(target, drafter)
         measured, ks, ts = curve.t_draft, curve.ks, [curve.scale * t for t in curve.t_target_k]
-    elif "target_costs" in (doc := json.loads(Path(path).read_text())):  # bench-load's (a virtual device's profile)
-        ts = doc["target_costs"]["verify_s"]
+    elif "target_costs" in doc:  # bench-load's (a virtual device's profile)
+        surface = doc["target_costs"]
+        ts = surface["verify_s"]
         measured, ks = measure_t_draft(drafter, synthetic_prefix(target.vocab_size)), list(range(1, len(ts) + 1))
+        if others:
+            return CostCurve(measured if t_draft is None else t_draft, ks, ts, smoothing=0.0,
+                             batch_seconds=surface["batch_s"], batch_token_seconds=surface["batch_token_s"],
+                             others=(float(others), float(others)), load_smoothing=0.0)
     else:
         c = next(iter(doc["speculation"]["cost_curve_ms"].values()))
         measured, ts = c["t_draft"] * 1e-3, [t * 1e-3 for t in c["t_target_k"]]
@@ -83,7 +97,7 @@ def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int]
     forward per token (each answer's first token included on both sides, as a decode step);
     the curve's own t_draft prices the drafting."""
     state: dict[str, float] = {}
-    seconds, priced, rounds, drafted, accepted = 0.0, 0.0, 0, 0, 0
+    seconds, priced, rounds, drafted, accepted, ran = 0.0, 0.0, 0, 0, 0, 0
     for prompt, answer in answers:
         spec = SpecParams(policy)
         reference = tuple(answer) if policy == "oracle" else None  # the oracle's knowledge: what the target generates
@@ -111,17 +125,18 @@ def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int]
             seconds += time.perf_counter() - t0
             rule.observe_pace(n + 1, curve.round_time(len(w.tokens)), w.ran)  # priced, not timed: alike every run
             priced += curve.round_time(len(w.tokens)) + host
-            rounds, drafted, accepted = rounds + 1, drafted + len(w.tokens), accepted + n
+            rounds, drafted, accepted, ran = rounds + 1, drafted + len(w.tokens), accepted + n, ran + w.ran
             seq += answer[at:at + n + 1]
             at += n + 1
         state = rule.state()
         session.close()
     tokens = sum(len(a) for _, a in answers)
-    return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted, "drafter_ran": ran,
             "tokens_per_round": round(tokens / max(rounds, 1), 3),
             "priced_ms_per_round": round(1e3 * priced / max(rounds, 1), 4),
             # over the target alone on the same curve and host time, drafting at the curve's t_draft
-            "speedup_on_curve": round(tokens * (curve.t_target(1) + host) / priced, 4) if priced else None,
+            "speedup_on_curve": round(tokens * (curve.t_target(1) + host) / priced, 4)
+            if priced and not curve.loaded() else None,
             "us_per_round": round(1e6 * seconds / max(rounds, 1), 1),
             "us_per_drafted": round(1e6 * seconds / max(drafted, 1), 1)}
 
@@ -140,6 +155,9 @@ def main(argv=None) -> int:
                                    "profile); default: measured here")
     p.add_argument("--t-draft-ms", type=float, help="the price of a drafted token (default: the curve's); "
                    "a serving engine prices drafting at the time it measures it taking")
+    p.add_argument("--others", type=int, default=0, help="with a bench-load results.json as --curve: every "
+                   "window joins a forward of this many other sessions' plain steps, priced on its batched surface "
+                   "(how often the policy asks its drafter under that load: drafter_ran)")
     p.add_argument("--samplings", default="greedy,t1-seeded")
     p.add_argument("--repeats", type=int, default=3, help="replays of each cell; the fastest is kept")
     p.add_argument("--answers", type=Path, help="the target's answers: read from this file if it exists, else "
@@ -154,14 +172,14 @@ def main(argv=None) -> int:
     kept = json.loads(args.answers.read_text()) if args.answers is not None and args.answers.is_file() else None
     written: dict[str, list[list[int]]] = {}
     out = {"machine": cpu_model(), "provenance": provenance(), "target": target.name, "prompts": len(prompts),
-           "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "cells": {}}
+           "max_new_tokens": args.max_new_tokens, "curve": args.curve or "measured", "others": args.others, "cells": {}}
     samplings = {"greedy": SamplingParams(max_new_tokens=args.max_new_tokens),
                  "t1-seeded": SamplingParams(1.0, seed=0, max_new_tokens=args.max_new_tokens)}
     drafters = {}  # kind: (drafter, its frozen curve, host seconds per sampling), built once for every sampling
     t_draft = None if args.t_draft_ms is None else args.t_draft_ms * 1e-3
     for kind in args.drafters.split(","):
         drafter = build_drafter(kind, target)
-        curve = frozen_curve(args.curve, target, drafter, t_draft)
+        curve = frozen_curve(args.curve, target, drafter, t_draft, args.others)
         drafters[kind] = drafter, curve, host_times(args.curve, curve)
     for label in args.samplings.split(","):
         sampling = samplings[label]

@@ -85,3 +85,29 @@ def test_the_oracle_drafts_only_what_the_target_keeps_and_bounds_the_policy_on_t
     assert priced["greedy ngram/cost-aware"]["drafted"] < policy["drafted"] / 2
     assert priced["greedy ngram/oracle"]["drafted"] == oracle["drafted"]
     assert priced["greedy ngram/oracle"]["speedup_on_curve"] < oracle["speedup_on_curve"]
+
+
+def test_under_a_compute_bound_load_the_replay_never_asks_the_drafter(tmp_path, script, tiny_dirs):
+    """--others prices every window in a forward of that many other sessions: on a surface where
+    a further token costs what a session's step does, no round asks the drafter (drafter_ran),
+    where alone the same replay drafts."""
+    module = script("draft_cost")
+    profile = tmp_path / "results.json"  # bench-load's target_costs: a session's step and a further token, 4 ms each
+    profile.write_text(json.dumps({"target_costs": {
+        "verify_s": [0.020 + 0.001 * k for k in range(9)],
+        "batch_s": [0.004 * b for b in range(1, 17)], "batch_token_s": [0.004] * 16}}))
+    answers = tmp_path / "answers.json"
+    target = load_model(str(tiny_dirs[0]), "cpu", "float32")
+    prompts = [target.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True)
+               for q in load_questions(None, limit=2)]
+    answers.write_text(json.dumps({"greedy": [(ids[-12:] + [7, 8]) * 3 for ids in prompts], "t1-seeded": []}))
+    cells = {}
+    for others in (0, 15):
+        out = tmp_path / f"draft_cost-{others}.json"
+        assert module.main(["--target-model", str(tiny_dirs[0]), "--prompts", "2", "--max-new-tokens", "40",
+                            "--drafters", "ngram", "--curve", str(profile), "--others", str(others),
+                            "--t-draft-ms", "0.02", "--samplings", "greedy", "--answers", str(answers),
+                            "--repeats", "1", "--out", str(out)]) == 0
+        cells[others] = json.loads(out.read_text())["cells"]["greedy ngram/cost-aware"]
+    assert cells[0]["drafter_ran"] > 0 and cells[0]["drafted"] > 0
+    assert cells[15]["drafter_ran"] == 0 and cells[15]["speedup_on_curve"] is None
