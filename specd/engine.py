@@ -39,7 +39,7 @@ from specd.policies import (
     request_policy,
 )
 from specd.speculation.pace import PaceClock
-from specd.speculation.round import commit_tokens, draft_window, judged_window
+from specd.speculation.round import commit_tokens, draft_window, judged_window, validate_prompt
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore, StateUpdate
 from specd.stats import GenerationStats
@@ -348,13 +348,3 @@ class GenerationRun:
             update = StateUpdate.between(self.policy_start, self.policy.state(), self.policy.state_scale())
             self.engine.state_store.update(self.engine.state_key(self.spec.policy, self.spec.task_tag), update)
 
-
-def validate_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:
-    """A prompt the target can continue: non-empty, shorter than its context, ids in its vocab."""
-    if not prompt:
-        raise InvalidRequest("prompt", "must not be empty")
-    if len(prompt) >= max_context:
-        raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is "
-                                       f"{max_context} and at least one token must be generated")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size})")

@@ -49,9 +49,9 @@ from services.proto.specd.target.v1 import target_pb2_grpc
 from specd.cost_model import COORDINATOR, CostModel
 from specd.detok import TextStream
 from specd.drafters import MODEL_FREE as MODEL_FREE_KINDS
-from specd.engine import validate_prompt
 from specd.errors import ModelError, SpecdError, Unavailable
 from specd.runtime.loading import encode_prompt
+from specd.speculation.round import validate_prompt
 from specd.tools import call_tokens, template_format
 from specd.policies import NO_SPECULATION, POLICIES, check_drafter, check_spec
 from specd.state import StateKey, StateUpdate

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.drafters.base import DraftSession
+from specd.errors import InvalidRequest
 from specd.grammar import Grammar
 from specd.penalties import penalize
 from specd.policies.base import Decision, StoppingPolicy
@@ -99,3 +100,14 @@ def draft_window(policy: StoppingPolicy, session: DraftSession, seq: list[int], 
     if costs is not None and (n := len(window.tokens) + (window.dropped is not None)):
         costs.observe_draft(window.seconds / n)
     return window
+
+
+def validate_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:
+    """A prompt the target can continue: non-empty, shorter than its context, ids in its vocab."""
+    if not prompt:
+        raise InvalidRequest("prompt", "must not be empty")
+    if len(prompt) >= max_context:
+        raise InvalidRequest("prompt", f"is {len(prompt)} tokens; the model's context is "
+                                       f"{max_context} and at least one token must be generated")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size})")
