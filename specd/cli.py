@@ -138,6 +138,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--specdecpp-head", type=Path, help="trained SpecDec++ head (default: the bundled "
                                                        "head for the embedded early-exit-4 pair)")
     g.add_argument("--task-tag", default="default", help="key of the shared adaptive policy state")
+    g.add_argument("--overlap", action="store_true",
+                   help="PEARL: draft the next window on a thread of its own while the target verifies")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -272,7 +274,7 @@ def cmd_generate(args) -> int:
     reference = None
     if args.policy == "oracle":  # analysis only: the oracle needs the target-only answer first
         reference = SpeculativeEngine(target).generate(prompt, sampling, SpecParams("none")).token_ids
-    out = engine.generate(prompt, sampling, spec, reference)
+    out = engine.generate(prompt, sampling, spec, reference, overlap=args.overlap)
     stats = out.stats.to_dict()
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": stats}))
@@ -282,7 +284,8 @@ def cmd_generate(args) -> int:
               f"policy {stats['policy']}, drafter {stats['drafter']} | drafted {stats['drafted']}, "
               f"accepted {stats['accepted']} ({stats['acceptance_rate']:.0%}), "
               f"{stats['verifications']} verifications, {stats['mean_accepted_tokens']:.2f} tokens/verification"
-              f"{_tree_note(stats)}{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
+              f"{_tree_note(stats)}{' | PEARL' if stats.get('overlap') else ''}"
+              f"{' | LOSSY' if stats['lossy'] else ''}]", file=sys.stderr)
     return 0
 
 

@@ -38,6 +38,7 @@ from specd.policies import (
     check_spec,
     request_policy,
 )
+from specd.speculation.overlap import Overlap, OverlapStats
 from specd.speculation.pace import PaceClock
 from specd.speculation.round import commit_tokens, draft_window, judged_window, validate_prompt
 from specd.sampling import request_generator
@@ -95,8 +96,8 @@ class SpeculativeEngine:
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None,
-                 logprobs: int | None = None) -> Generation:
-        run = self.start(prompt_ids, sampling, spec, reference, logprobs)
+                 logprobs: int | None = None, overlap: bool = False) -> Generation:
+        run = self.start(prompt_ids, sampling, spec, reference, logprobs, overlap)
         try:
             for _ in run:
                 pass
@@ -106,10 +107,16 @@ class SpeculativeEngine:
 
     def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
               spec: SpecParams = SpecParams(), reference: Sequence[int] | None = None,
-              logprobs: int | None = None) -> GenerationRun:
+              logprobs: int | None = None, overlap: bool = False) -> GenerationRun:
         """A request to iterate round by round (each step yields the newly emitted ids).
         logprobs: keep each emitted token's log-probability and this many alternatives
-        (specd.logprobs; None: none)."""
+        (specd.logprobs; None: none). overlap: PEARL, the next window drafted on a thread of
+        its own while this one is verified (OverlapRun); sequential where a round has nothing to
+        overlap or must be sequential: the target alone, relaxed verification, the oracle,
+        online learning (DVI)."""
+        if overlap and spec.policy != NO_SPECULATION and not spec.relaxed and reference is None \
+                and self.replay is None:
+            return OverlapRun(self, list(prompt_ids), sampling, spec, logprobs)
         return GenerationRun(self, list(prompt_ids), sampling, spec, reference, logprobs)
 
     def state_key(self, policy: str, task_tag: str) -> StateKey:
@@ -307,16 +314,21 @@ class GenerationRun:
         """Append verified tokens (and their log-probabilities, lps), honouring EOS,
         max_new_tokens and stop strings exactly."""
         out, self.finish_reason = commit_tokens(new, len(self.seq), self.target.eos_token_ids, self.max_len)
+        out = self._emit(out, lps)
+        if self.grammar is not None:
+            self.grammar.commit(out)
+        return out
+
+    def _emit(self, out: list[int], lps: list[TokenLogprob] | None) -> list[int]:
+        """Append committed tokens, cut after the fewest whose text holds a stop string."""
         self.seq += out
-        if self.stops is not None:  # cut after the fewest tokens whose text holds a stop string
+        if self.stops is not None:
             kept = len(self.stops.push(out).token_ids)
             if self.stops.stopped:
                 del self.seq[len(self.seq) - len(out) + kept:]
                 out, self.finish_reason = out[:kept], "stop"
         if lps is not None:
             self.logprobs += lps[:len(out)]
-        if self.grammar is not None:
-            self.grammar.commit(out)
         return out
 
     # -- results ----------------------------------------------------------------------------
@@ -348,3 +360,30 @@ class GenerationRun:
             update = StateUpdate.between(self.policy_start, self.policy.state(), self.policy.state_scale())
             self.engine.state_store.update(self.engine.state_key(self.spec.policy, self.spec.task_tag), update)
 
+
+class OverlapRun(GenerationRun):
+    """A request's rounds with PEARL's overlap (specd.speculation.overlap): the same checks,
+    policy, stop strings, results and close as GenerationRun; windows are chains (no trees)."""
+
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], sampling: SamplingParams, spec: SpecParams,
+                 logprobs: int | None = None):
+        super().__init__(engine, prompt, sampling, spec, None, logprobs)
+        self.trees = None
+        self.stats = OverlapStats(**vars(self.stats))
+        self.target_kv.close()  # the verifier holds the target's cache
+        self.overlap = Overlap(self, self.stats)
+        self.target_kv = self.overlap.verifier.kv
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.overlap.thread is None and not self.overlap.closed:
+            self.overlap.start()
+        while self.finish_reason is None:
+            emitted, self.finish_reason, lps = self.overlap.round()
+            new = self._emit(emitted, lps)
+            if new:
+                yield new
+
+    def close(self) -> None:
+        if not self.overlap.close():
+            self.draft_session = None  # still in a step on the drafting thread, which keeps it
+        super().close()

@@ -53,6 +53,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--trees", action="store_true",
                    help="also run every lookup-drafter configuration with draft trees (DRAFTER/POLICY/tree, "
                         "3 side branches)")
+    b.add_argument("--overlap", action="store_true",
+                   help="also run every configuration with PEARL in process (DRAFTER/POLICY/pearl: the next "
+                        "window drafted on a thread of its own while this one is verified)")
     b.add_argument("--cold-start", action="store_true",
                    help="start every run from empty policy state and the start-up cost curve, as a fresh "
                         "`specd generate` does (default: state carries over from prompt to prompt, as in "
@@ -136,7 +139,7 @@ def cmd_bench(args) -> int:
         args.draft_model, args.draft_layers, args.target_model, args.max_new_tokens, args.temperature,
         args.seed, args.repeats, ("ar", *(b for b in baselines if b != "ar")), args.sweep_k, args.out,
         args.device, args.dtype, args.cache_dir, args.draft_adapter, args.linear_kernels, args.datastore,
-        args.trees, args.forward, args.offset, args.cuda_graphs, args.cold_start, args.cpu_compile)
+        args.trees, args.forward, args.offset, args.cuda_graphs, args.cold_start, args.cpu_compile, args.overlap)
     doc = run_bench(settings)
     paths = write_outputs(doc, args.out)
     if args.json:

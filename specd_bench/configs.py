@@ -53,6 +53,7 @@ class BenchSettings:
     # cost curve, so nothing learned on earlier prompts helps (or hurts) this one.
     cold_start: bool = False
     cpu_compile: str = "auto"  # auto | on | off (specd/runtime/aot.py)
+    overlap: bool = False  # also run every configuration with PEARL in process (specd.speculation.overlap)
 
     @property
     def greedy(self) -> bool:
@@ -95,10 +96,12 @@ class Config:
     policy_params: dict = field(default_factory=dict)
     skip: str | None = None  # why it was not run
     branches: int | None = None  # draft-tree side branches (None: the drafter's default)
+    overlap: bool = False  # PEARL in process (SpeculativeEngine.start(overlap=True))
 
     def to_dict(self) -> dict:
         return {"label": self.label, "kind": self.kind, "drafter": self.drafter, "policy": self.policy,
-                "policy_params": dict(self.policy_params), "branches": self.branches, "skipped": self.skip}
+                "policy_params": dict(self.policy_params), "branches": self.branches, "overlap": self.overlap,
+                "skipped": self.skip}
 
 
 def default_policies() -> tuple[str, ...]:
@@ -115,6 +118,8 @@ def build_configs(s: BenchSettings, has_head: dict[str, bool], peer_skips: dict[
                 configs.append(Config(f"{d}/{p}", "engine", d, p, skip=skip))
                 if s.trees and d in MODEL_FREE and p != "oracle":
                     configs.append(Config(f"{d}/{p}/tree", "engine", d, p, skip=skip, branches=TREE_BRANCHES))
+                if s.overlap and p != "oracle":
+                    configs.append(Config(f"{d}/{p}/pearl", "engine", d, p, skip=skip, branches=0, overlap=True))
         if d in MODEL_FREE and (s.policies is None or "oracle" not in s.policies):
             reason = None if s.reproducible else ORACLE_SKIP
             configs.append(Config(f"{d}/oracle", "engine", d, "oracle", skip=reason))

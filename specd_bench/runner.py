@@ -127,7 +127,7 @@ class BenchRun:
             start = self.policy_curves.get(c.drafter, {}).get("start")
             if start is not None:
                 engine.costs = CostCurve.from_dict(start)
-        out = engine.generate(prompt, self.sampling, spec, ref)
+        out = engine.generate(prompt, self.sampling, spec, ref, overlap=c.overlap)
         # Greedy and seeded (coupled) output must be the target alone's, token for token.
         check = reference if (self.s.reproducible and c.label != BASELINE) else None
         return run_record(out.stats, out.token_ids, check), out.token_ids

@@ -2,7 +2,8 @@
 single-process deployment and for tests of the gateway.
 
 Model compute runs on one worker thread (a single-thread executor), so requests are
-serialized round by round while the event loop stays free for HTTP. Every step of a request
+serialized round by round while the event loop stays free for HTTP; a request that asks for
+PEARL (`overlap`) drafts on a thread of its own besides (specd.speculation.overlap). Every step of a request
 (tokenize + validate + allocate the KV caches, each round, closing) is a job on that thread;
 because its queue is FIFO, the close job submitted when a client goes away runs right after
 the round in flight, never concurrently with it.
@@ -85,7 +86,7 @@ class LocalBackend:
                 yield TokenEvent((), tail.text)
             await self._call(self._close, session)  # finalizes the statistics
             yield FinishEvent("stop" if stream.stopped else run.finish_reason or "length",
-                              run.prompt_len, len(stream.ids), {**run.stats.to_dict(), "fallback": False})
+                              run.prompt_len, len(stream.ids), {"fallback": False, **run.stats.to_dict()})
         finally:
             # Also reached on aclose() and cancellation (client gone): queue the close behind
             # the round in flight without waiting for it. Idempotent after a normal finish.
@@ -97,7 +98,7 @@ class LocalBackend:
     def _open(self, session: _Session, request: GenerateRequest) -> GenerationRun:
         request.validate()
         run = self.engine.start(self._prompt_ids(request), request.sampling, request.spec,
-                                logprobs=request.logprobs)
+                                logprobs=request.logprobs, overlap=bool(request.overlap))
         session.run = run
         self.active_sessions += 1
         return run

@@ -10,14 +10,20 @@
    RoundOutcome.judged) and the round's time (`pace.PaceClock`, one clock for every driver);
    costs are fed to the process's cost model (specd.cost_model).
 
-Across a transport, the draft's tokens arrive by position and epoch and windows are verified
-in chunks: `sequencer.Sequencer` decides what the target verifies next and what each verdict
-commits, with PEARL's overlap, promised plain rounds and rollbacks.
+Across a transport (or a thread) the round has three sides, each with no transport in it:
+`proposer.Proposer` drafts windows ahead of the committed sequence under the policy, with
+epochs and rollbacks (PEARL: the next window while this one is verified); `verifier.Verifier`
+judges a window against the target's logits and commits the verdict; `sequencer.Sequencer`
+decides what the target verifies next and what each verdict commits, with PEARL's overlap,
+promised plain rounds and rollbacks.
 
 Who moves these steps' events:
 - in process, `specd.engine.GenerationRun`: draft, verify, commit, one after the other;
+- in process with PEARL, `specd.engine.OverlapRun` (`overlap.Overlap`): a Proposer on a
+  thread of its own, a Sequencer and a Verifier on the caller's;
 - across the services, `services.coordinator.loop.RequestLoop` (streams, timeouts, fallback)
-  around a `Sequencer`, with `services.draft.runner.DraftRunner` drafting windows ahead;
+  around a Sequencer, with `services.draft.runner.DraftRunner` moving a Proposer and
+  `services.target` a Verifier per session (`services.target.session.TargetSession`);
 - drafting on the target, `services.target.drafting.LocalDrafting`: `draft_window` between the
   target's forwards, its verdicts judged in the batched step (services.common.batcher).
 """

@@ -1,9 +1,9 @@
 """One scenario suite, run against every driver of the speculative round: in process
-(SpeculativeEngine); across the services with a draft service, sequential and with PEARL;
+(SpeculativeEngine), sequential and with PEARL; across the services with a draft service, sequential and with PEARL;
 with the target drafting itself (no draft service); and with draft trees. Each scenario's
 greedy and seeded tokens must equal the target decoding alone, in every driver: an end of
 sequence inside a window, a length cut, a stop string across rounds, rollbacks after
-rejected drafts, a draft service that dies mid-request, and unseeded sampling."""
+rejected drafts, a draft (service or thread) that dies mid-request, and unseeded sampling."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from services.common.state import AsyncMemoryStateStore
 from services.target.main import start as start_target
 from services.target.servicer import TargetServicer
 from specd.drafters import build_drafter
-from specd.engine import SpeculativeEngine
+from specd.engine import OverlapRun, SpeculativeEngine
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import Service, draft_service
 
-DRIVERS = ["engine", "services", "services-pearl", "drafting-on-target", "trees"]
+DRIVERS = ["engine", "engine-pearl", "services", "services-pearl", "drafting-on-target", "trees"]
 WITH_DRAFT_SERVICE = {"services", "services-pearl", "trees"}
 PROMPT = "the cat sat, the cat sat, the"  # repeats itself: lookups are right and wrong
 OTHER = "Hello there, how are"
@@ -53,10 +53,18 @@ class Drivers:
             kill_draft_after: int | None = None) -> tuple[list[int], str, dict]:
         """(tokens, finish reason, spec stats) of the driver; kill_draft_after: stop the draft
         service once this many tokens have come (a fresh one, for this request alone)."""
-        if driver == "engine":
+        if driver in ("engine", "engine-pearl"):
             drafter = build_drafter("hf", self.draft, self.draft)
-            r = SpeculativeEngine(self.target, drafter).generate(self.ids(text), sampling, spec)
-            return r.token_ids, r.finish_reason, {"drafted": r.stats.drafted, "accepted": r.stats.accepted}
+            if kill_draft_after is not None:
+                drafter = Dying(drafter, kill_draft_after)
+            engine = SpeculativeEngine(self.target, drafter)
+            run = engine.start(self.ids(text), sampling, spec, overlap=driver == "engine-pearl")
+            try:
+                ids = [t for new in run for t in new]
+            finally:
+                run.close()
+            assert isinstance(run, OverlapRun) == (driver == "engine-pearl")
+            return ids, run.finish_reason, run.stats.to_dict()
         target = self.drafting if driver == "drafting-on-target" else self.plain
         draft = {"services": self.hf, "services-pearl": self.hf, "trees": self.ngram}.get(driver)
         if kill_draft_after is not None:
@@ -95,6 +103,30 @@ async def _generate(target_addr: str, draft_addr: str | None, request: GenerateR
     finally:
         await coord.close()
     return ids, finish.finish_reason, finish.spec_stats
+
+
+class Dying:
+    """A real drafter whose sessions fail after `steps` draft steps (a draft that dies in process)."""
+
+    def __init__(self, drafter, steps: int):
+        self.drafter, self.steps = drafter, steps
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def open(self, vocab_size: int):
+        session, left = self.drafter.open(vocab_size), [self.steps]
+
+        class Session:
+            def __getattr__(self, name):
+                return getattr(session, name)
+
+            def next(self, *args, **kwargs):
+                left[0] -= 1
+                if left[0] < 0:
+                    raise RuntimeError("the draft died")
+                return session.next(*args, **kwargs)
+        return Session()
 
 
 EOS_AT = 12  # the greedy answer to PROMPT ends here, inside a window
@@ -163,6 +195,7 @@ def test_rejected_drafts_are_rolled_back(drivers, driver):
     assert stats["accepted"] < stats["drafted"]  # a rejection happened, and was rolled back
     assert stats.get("tree_rounds", 0) > 0 if driver == "trees" else not stats.get("tree_rounds")
     assert bool(stats.get("drafted_on_target")) == (driver == "drafting-on-target")
+    assert bool(stats.get("overlap")) == driver.endswith("-pearl")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -181,8 +214,8 @@ def test_unseeded_sampling_runs_to_its_length_or_its_end(drivers, driver):
     assert all(0 <= t < drivers.target.emitted_vocab for t in ids)
 
 
-@pytest.mark.parametrize("driver", sorted(WITH_DRAFT_SERVICE))
-def test_a_draft_service_that_dies_mid_request_loses_nothing(drivers, driver):
+@pytest.mark.parametrize("driver", sorted(WITH_DRAFT_SERVICE | {"engine-pearl"}))
+def test_a_draft_that_dies_mid_request_loses_nothing(drivers, driver):
     sampling = SamplingParams(max_new_tokens=48)
     want, want_reason = drivers.alone(OTHER, sampling)
     ids, reason, stats = drivers.run(driver, OTHER, sampling, SpecParams("constant", None, {"k": 3}),

@@ -244,3 +244,28 @@ def test_hybrid_trees_sample_the_target(pair):
     assert branch_paths > 50 and chain_paths > 50
     assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
     assert pooled_chisquare(second, joint, RUNS) > 1e-3
+
+
+def test_pearl_in_process_samples_the_target(pair):
+    """PEARL's rounds (specd.speculation.overlap): drafts verified in chunks while the next
+    window is drafted on another thread, kept past a chunk only where they equal the target's
+    token. Four tokens a run, so the second is reached through drafts as well as plain steps."""
+    target, draft = pair
+    engine = SpeculativeEngine(target, HfDrafter(draft, target))
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    joint = exact_two_token(target.model, params)
+    first, second = Counter(), Counter()
+    drafted = accepted = 0
+    for run in range(RUNS):
+        torch.manual_seed(run)
+        out = engine.start(PROMPT, params, SpecParams("constant", policy_params={"k": 2}), overlap=True)
+        try:
+            ids = [t for new in out for t in new]
+        finally:
+            out.close()
+        first[ids[0]] += 1
+        second[ids[0] * V + ids[1]] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # drafts were accepted and rejected
+    assert pooled_chisquare(first, joint.sum(1), RUNS) > 1e-3
+    assert pooled_chisquare(second, joint, RUNS) > 1e-3

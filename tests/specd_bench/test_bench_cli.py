@@ -117,7 +117,7 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     target, _ = map(str, tiny_dirs)
     code, _, err = specd_cli(["bench", "--dataset", str(dataset), "--target-model", target, "--limit", "1",
                         "--offset", "1", "--turn", "all", "--policies", "constant,specdec++", "--max-new-tokens", "6",
-                        "--baselines", "hf-heuristic", "--trees", "--out", str(out)])
+                        "--baselines", "hf-heuristic", "--trees", "--overlap", "--out", str(out)])
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert [p["key"] for p in doc["prompts"]] == ["1#t1", "1#t2"]  # --offset 1: the second question
@@ -126,11 +126,13 @@ def test_bench_second_turn_and_skips(tiny_dirs, dataset, tmp_path, specd_cli):
     assert f"2 prompts of `{dataset}` (from question 2 of the set on)" in (out / "report.md").read_text()
     assert doc["prompts"][1]["prompt_tokens"] > doc["prompts"][0]["prompt_tokens"]
     skipped = {c["label"]: c["skipped"] for c in doc["configs"] if c["skipped"]}
-    assert set(skipped) == {"ngram/specdec++", "ngram/specdec++/tree", "hf-heuristic"}
+    assert set(skipped) == {"ngram/specdec++", "ngram/specdec++/tree", "ngram/specdec++/pearl", "hf-heuristic"}
     assert "draft model" in skipped["hf-heuristic"]
     tree = next(c for c in doc["configs"] if c["label"] == "ngram/constant/tree")
     assert tree["branches"] == 3 and doc["aggregates"]["ngram/constant/tree"]["identical"] is True
     assert all(r["tree_rounds"] == 0 for r in doc["records"]["ngram/constant"])
+    pearl = next(c for c in doc["configs"] if c["label"] == "ngram/constant/pearl")
+    assert pearl["overlap"] is True and doc["aggregates"]["ngram/constant/pearl"]["identical"] is True
     assert doc["aggregates"]["ngram/oracle"]["identical"] is True
     assert doc["aggregates"]["ngram/oracle"]["discard_rate"] == 0.0
 

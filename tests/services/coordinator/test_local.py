@@ -5,6 +5,8 @@ cancellation) frees the run's KV caches."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -68,6 +70,34 @@ def test_greedy_events_equal_the_target_alone(local_backend, tiny_engine, policy
         assert stats["policy"] == policy and stats["fallback"] is False
         assert stats["drafted"] >= stats["accepted"] > 0 and stats["new_tokens"] == len(want.token_ids)
     assert local_backend.active_sessions == 0
+
+
+def test_a_request_asking_for_pearl_overlaps_and_equals_the_target_alone(local_backend, tiny_engine):
+    sampling = SamplingParams(max_new_tokens=48)
+    want = tiny_engine.generate(list(PROMPT_IDS), sampling, SpecParams("none"))
+    request = GenerateRequest(prompt_ids=PROMPT_IDS, sampling=sampling, spec=SpecParams("constant"), overlap=True)
+    *tokens, finish = _collect(local_backend, request)
+    assert [t for e in tokens for t in e.token_ids] == want.token_ids
+    stats = finish.spec_stats
+    assert stats["overlap"] is True and stats["fallback"] is False and stats["drafted"] > 0
+    sequential = _collect(local_backend, dataclasses.replace(request, overlap=None))[-1].spec_stats
+    assert "overlap" not in sequential
+    assert local_backend.active_sessions == 0
+
+
+def test_leaving_a_pearl_request_early_stops_its_drafting_thread(local_backend):
+    async def run():
+        events = local_backend.generate(GenerateRequest(messages=LONG_CHAT, sampling=SamplingParams(max_new_tokens=400),
+                                                        spec=SpecParams("constant"), overlap=True))
+        assert isinstance(await anext(events), TokenEvent)
+        await events.aclose()
+
+    asyncio.run(run())
+    _wait_idle(local_backend)
+    deadline = time.monotonic() + 5.0
+    while any(t.name == "specd-pearl-draft" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "specd-pearl-draft" for t in threading.enumerate())
 
 
 def test_stop_string_ends_the_stream_with_stop(local_backend, tiny_engine):
