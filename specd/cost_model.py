@@ -14,10 +14,8 @@ The rules:
 - LAST: the last value observed.
 - FROZEN: measured (or told) once, at start-up; `seed` sets it, observing it is an error.
 - FIT: an online fit (specd.costs.LoadFit) observed with one forward's (sessions, tokens,
-  seconds), on relative errors: the base term a over the recent forwards (each older one
-  weighing LOAD_FIT_FORGET times less, a ridge of LOAD_FIT_PRIOR towards 1), the further-token
-  term's slope b - a regressed over a longer memory (LOAD_FIT_FORGET_TOKENS, a ridge of
-  LOAD_FIT_PRIOR_TOKENS towards 0); a in [0.2, 10], b in [a, 10].
+  seconds): least squares on relative errors, each older forward weighing LOAD_FIT_FORGET
+  times less, pulled towards (1, 1) by a ridge of LOAD_FIT_PRIOR, (a, b) kept in [0.2, 10].
 
 Not here, and not a process's: cost-aware's `paid` and `pace` (specd.policies.cost_aware) are
 decayed sums of what one session's drafting realised (tokens, seconds, rounds), kept by the
@@ -34,10 +32,8 @@ SMOOTHING = 0.05  # weight of one observation in every moving average (AVERAGE) 
 LOAD_SMOOTHING = 0.5  # weight of one verification's load in a cost curve's `others`
 TREE_GAIN_SMOOTHING = 0.1  # weight of each tree round in a planner's gain
 TREE_GAIN_PRIOR = 0.05  # tokens one side node adds to a round, before a run has measured its own
-LOAD_FIT_FORGET = 0.98  # each older forward weighs this much less in the load fit's base term
-LOAD_FIT_PRIOR = 0.1  # the base term's ridge towards 1, in forwards
-LOAD_FIT_FORGET_TOKENS = 0.998  # and in its further-token term (the slope b - a)
-LOAD_FIT_PRIOR_TOKENS = 0.01  # the slope's ridge towards 0 (b = a), in squared shares of a forward
+LOAD_FIT_FORGET = 0.98  # each older forward weighs this much less in the load fit
+LOAD_FIT_PRIOR = 0.1  # the load fit's ridge towards (1, 1), in squared shares of a forward
 
 TARGET, DRAFT, COORDINATOR, REQUEST = "target", "draft", "coordinator", "request"
 
@@ -91,8 +87,7 @@ class Estimate:
         elif self.rule == TOWARDS:
             rule = f"{self.weight} of the way towards each observation, from {self.seed}"
         elif self.rule == FIT:
-            rule = (f"ridge least squares: the base term each older forward weighing {LOAD_FIT_FORGET}x less, "
-                    f"the further-token slope {LOAD_FIT_FORGET_TOKENS}x")
+            rule = f"ridge least squares, each older forward weighing {LOAD_FIT_FORGET}x less"
         else:
             rule = self.rule
         return f"{self.name} [{self.unit}] {rule}; kept by {', '.join(self.kept_by)}: {self.measures}"

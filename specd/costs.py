@@ -50,16 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specd.cost_model import (
-    ESTIMATES,
-    LOAD_FIT_FORGET,
-    LOAD_FIT_FORGET_TOKENS,
-    LOAD_FIT_PRIOR,
-    LOAD_FIT_PRIOR_TOKENS,
-    LOAD_SMOOTHING,
-    SMOOTHING,
-    decayed,
-)
+from specd.cost_model import ESTIMATES, LOAD_FIT_FORGET, LOAD_FIT_PRIOR, LOAD_SMOOTHING, SMOOTHING, decayed
 from specd.runtime.kernels import kernels_of
 from specd.types import SamplingParams
 
@@ -228,30 +219,25 @@ def surface_at(batch_seconds: Sequence[float], batch_token_seconds: Sequence[flo
 class LoadFit:
     """What a target's batched forwards cost, against its start-up surface: a forward of B
     sessions and N new tokens takes a * base(B) + b * (N - B) * per_token(B) seconds
-    (surface_at). On relative errors that is z = a + (b - a) * v, v the further tokens' share of
-    the forward as the surface prices it. a is the mean of z - (b - a) * v over the recent
-    forwards (each older one weighing `forget` times less, pulled towards 1 by a ridge of `prior`
-    forwards' worth): it follows the neighbours' load. The slope b - a is the regression of z on v
-    over a longer memory (`forget_tokens`), pulled towards 0 by a ridge of `prior_tokens` (in
-    squared shares): the further tokens are a small share of most forwards, and their spread
-    over a few dozen forwards says too little. Both stay within [0.2, 10].
+    (surface_at). (a, b) is the least-squares fit of the forwards observed, on relative errors,
+    each older forward weighing `forget` times less, and pulled towards (1, 1) by a ridge of
+    `prior` (squared shares of a forward: a few forwards' worth, so the fit starts at the surface
+    and b stays there while no forward has had further tokens); both stay within [0.2, 10].
 
     b never falls below a: against the surface, a further token costs at least what the
-    forward's base does; before any forward has had further tokens, b is a. Read below a, b
-    priced drafts as nearly free, and every session drafted its unlikely tokens into a forward
-    that then slowed everyone (docs/benchmarks.md, "Serving many users through the services")."""
+    forward's base does. The further tokens are a small share of most forwards, so b is the
+    fit's least certain term; read below a it priced drafts as nearly free, and every session
+    drafted its unlikely tokens into a forward that then slowed everyone (docs/benchmarks.md,
+    "Serving many users through the services")."""
 
     batch_seconds: list[float]
     batch_token_seconds: list[float]
     forget: float = LOAD_FIT_FORGET
     prior: float = LOAD_FIT_PRIOR
-    forget_tokens: float = LOAD_FIT_FORGET_TOKENS
-    prior_tokens: float = LOAD_FIT_PRIOR_TOKENS
     a: float = 1.0
     b: float = 1.0
     forwards: int = 0
-    _recent: np.ndarray = field(default_factory=lambda: np.zeros(3), repr=False)  # n, v, z
-    _long: np.ndarray = field(default_factory=lambda: np.zeros(5), repr=False)  # n, v, vv, z, vz
+    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5), repr=False)  # uu, uv, vv, uz, vz
 
     def observe(self, sessions: int, tokens: int, seconds: float) -> None:
         """One forward of `sessions` sessions over `tokens` new tokens took `seconds`."""
@@ -262,15 +248,13 @@ class LoadFit:
         p = x1 + x2
         if p <= 0:
             return
-        v, z = x2 / p, seconds / p
-        self._long = decayed(self._long, np.array([1.0, v, v * v, z, v * z]), self.forget_tokens)
-        n, sv, svv, sz, svz = self._long
-        spread = max(svv - sv * sv / n, 0.0)
-        slope = (svz - sv * sz / n) / (spread + self.prior_tokens)
-        self._recent = decayed(self._recent, np.array([1.0, v, z]), self.forget)
-        m, mv, mz = self._recent
-        self.a = min(max((mz - slope * mv + self.prior) / (m + self.prior), 0.2), 10.0)
-        self.b = min(max(self.a + slope, self.a), 10.0)
+        u, v, z = x1 / p, x2 / p, seconds / p
+        self._sums = decayed(self._sums, np.array([u * u, u * v, v * v, u * z, v * z]), self.forget)
+        uu, uv, vv, uz, vz = self._sums
+        lam = self.prior
+        det = (uu + lam) * (vv + lam) - uv * uv
+        self.a = min(max(((uz + lam) * (vv + lam) - uv * (vz + lam)) / det, 0.2), 10.0)
+        self.b = min(max(((vz + lam) * (uu + lam) - uv * (uz + lam)) / det, self.a), 10.0)
         self.forwards += 1
 
 

@@ -102,28 +102,21 @@ def test_a_frozen_estimate_is_seeded_and_never_observed(process, name):
         model.seed("no such estimate", 1.0)
 
 
-def test_the_load_fit_moves_by_its_two_memories():
+def test_the_load_fit_moves_by_its_decayed_least_squares():
     model, fit = CostModel(TARGET), LoadFit(*SURFACE)
     model.seed("load_fit", fit)
     forwards = [(2, 2, 0.024), (4, 12, 0.040), (3, 3, 0.028), (4, 20, 0.060)]
     for f in forwards:
         model.observe("load_fit", f)
-    # The same fit, by hand, on relative errors z = a + (b - a) v: the slope a weighted regression
-    # over the long memory (0.998x a forward older, ridge 0.01), a the weighted mean of
-    # z - slope * v over the recent forwards (0.98x, ridge 0.1 towards 1).
-    v, z = [], []
+    # The same fit, by hand: relative errors, older forwards weighing 0.98x less, ridge 0.1.
+    sums = np.zeros(5)
     for sessions, tokens, seconds in forwards:
-        x1 = np.interp(sessions, range(1, 5), SURFACE[0])
-        x2 = np.interp(sessions, range(1, 5), SURFACE[1]) * (tokens - sessions)
-        v.append(x2 / (x1 + x2))
-        z.append(seconds / (x1 + x2))
-    v, z, age = np.array(v), np.array(z), np.arange(len(forwards))[::-1]
-    w = 0.998 ** age
-    vm, zm = (w * v).sum() / w.sum(), (w * z).sum() / w.sum()
-    slope = (w * (v - vm) * (z - zm)).sum() / ((w * (v - vm) ** 2).sum() + 0.01)
-    r = 0.98 ** age
-    a = ((r * (z - slope * v)).sum() + 0.1) / (r.sum() + 0.1)
-    b = a + slope
+        base = np.interp(sessions, range(1, 5), SURFACE[0])
+        x1, x2 = base, np.interp(sessions, range(1, 5), SURFACE[1]) * (tokens - sessions)
+        u, v, z = x1 / (x1 + x2), x2 / (x1 + x2), seconds / (x1 + x2)
+        sums = 0.98 * sums + [u * u, u * v, v * v, u * z, v * z]
+    uu, uv, vv, uz, vz = sums
+    a, b = np.linalg.solve([[uu + 0.1, uv], [uv, vv + 0.1]], [uz + 0.1, vz + 0.1])
     assert model.value("load_fit") is fit and fit.forwards == 4
     a = min(max(a, 0.2), 10)
     assert (fit.a, fit.b) == pytest.approx((a, min(max(b, a), 10)))  # b never below a

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,7 +110,6 @@ def test_a_forward_is_timed_until_its_result_exists():
     assert min(ts) >= _DeferredTarget.seconds
 
 
-ROOT = Path(__file__).resolve().parents[2]
 SURFACE = ([0.03, 0.032, 0.034, 0.036], [0.002, 0.0021, 0.0022, 0.0023])  # 1..4 sessions
 
 
@@ -132,39 +130,12 @@ def test_the_load_fit_finds_what_forwards_really_cost_against_the_surface():
                                             batch_token_seconds=SURFACE[1], others=(2.0, 3.0)).loaded_time(4)
 
 
-def test_plain_forwards_price_a_further_token_as_the_forwards_base():
-    """Forwards of one token per session say nothing about further tokens: b stays at a, the
-    factor the forwards run at against the surface."""
+def test_plain_forwards_leave_the_token_cost_at_the_surfaces():
+    """Forwards of one token per session say nothing about further tokens: b stays at its prior."""
     fit = LoadFit(*SURFACE)
     for i in range(200):
         fit.observe(1 + i % 4, 1 + i % 4, 0.8 * costs.surface_at(*SURFACE, 1 + i % 4)[0])
-    assert fit.a == pytest.approx(0.8, rel=0.05) and fit.b == fit.a
-
-
-@pytest.mark.parametrize("a, b, further", [(2.0, 6.0, 0.5), (2.0, 6.0, 2.5), (1.0, 3.0, 1.0)])
-def test_few_further_tokens_a_forward_still_find_what_one_costs(a, b, further):
-    """Forwards of 6-8 sessions on the H200's start-up surface, +-15% noise, `further` tokens
-    beyond one a session on average: few forwards carry any, and their share is small, yet the
-    fit finds b. (With one memory and a ridge towards (1, 1), it read b = 2.7, 3.7 and 2.0.)"""
-    surface = json.loads((ROOT / "docs/bench/load-compiled-graphs-h200/compiled/results.json").read_text())
-    bs, bts = surface["target_costs"]["batch_s"], surface["target_costs"]["batch_token_s"]
-    rnd, fit = random.Random(0), LoadFit(bs, bts)
-    for _ in range(3000):
-        sessions = rnd.randint(6, 8)
-        extra = sum(rnd.random() < further / 4 for _ in range(4))
-        base, per = costs.surface_at(bs, bts, sessions)
-        fit.observe(sessions, sessions + extra, (a * base + b * per * extra) * rnd.uniform(0.85, 1.15))
-    assert fit.a == pytest.approx(a, rel=0.06) and fit.b == pytest.approx(b, rel=0.06)
-
-
-def test_the_base_term_follows_a_change_in_load_within_a_few_dozen_forwards():
-    fit = LoadFit(*SURFACE)
-    for i in range(600):
-        sessions, extra = 1 + i % 4, i % 3
-        base, per = costs.surface_at(*SURFACE, sessions)
-        a = 1.0 if i < 500 else 2.0
-        fit.observe(sessions, sessions + extra, a * base + 3.0 * per * extra)
-    assert fit.a == pytest.approx(2.0, rel=0.15)
+    assert fit.a == pytest.approx(0.8, rel=0.05) and fit.b == pytest.approx(1.0, abs=0.05)
 
 
 def test_a_further_token_is_never_priced_below_the_forwards_base():
