@@ -28,7 +28,7 @@ from specd.dvi import ReplayStream, judged_records
 from specd.errors import InvalidRequest
 from specd.runtime.loading import LoadedModel
 from specd.grammar import Grammar
-from specd.logprobs import TokenLogprob, check_logprobs, emitted_logprobs
+from specd.logprobs import TokenLogprob, check_logprobs
 from specd.penalties import check_logit_bias
 from specd.policies import (
     NO_SPECULATION,
@@ -40,13 +40,13 @@ from specd.policies import (
 )
 from specd.speculation.overlap import Overlap, OverlapStats
 from specd.speculation.pace import PaceClock
-from specd.speculation.round import commit_tokens, draft_window, judged_window, validate_prompt
+from specd.speculation.round import commit_tokens, draft_window, validate_prompt
+from specd.speculation.verifier import Verifier
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore, StateUpdate
 from specd.stats import GenerationStats
-from specd.tree import TREE_MAX_FED, DraftTree, TreePlanner, tree_shape, verify_tree
+from specd.tree import TREE_MAX_FED, DraftTree, TreePlanner, tree_shape
 from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
-from specd.verify import Verdict, verify_window
 
 
 @dataclass
@@ -139,15 +139,17 @@ class GenerationRun:
         self.seq = prompt  # committed tokens; drafts are appended during a round
         self.prompt_len = len(prompt)
         self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
-        self.generator = request_generator(sampling, target.device)
-        self.target_kv = target.session()
+        self.generator = request_generator(sampling, target.device)  # the drafter's
+        self.grammar = Grammar.for_model(sampling.grammar, target) if sampling.grammar is not None else None
+        # The target's side of each round (specd.speculation.verifier): its cache and verdicts.
+        self.verifier = Verifier(target, prompt, sampling, logprobs=logprobs, grammar=self.grammar)
+        self.target_kv = self.verifier.kv
         self.draft_session = self.drafter.open(target.vocab_size) if self.drafter else None
         self.feed_features = self.drafter is not None and self.drafter.needs_target_features
         shape = tree_shape(spec.branches, self.drafter, spec.policy, spec.relaxed)
         # Draft trees (specd.tree); not under penalties, whose counts follow one chain, nor with
         # log-probabilities, which are a chain's.
         chains = sampling.adjusts_logits or logprobs is not None
-        self.grammar = Grammar.for_model(sampling.grammar, target) if sampling.grammar is not None else None
         self.trees = TreePlanner(*shape) if shape[0] and not chains else None
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, where asked
@@ -205,23 +207,26 @@ class GenerationRun:
                 return self._tree_round(committed, tree, qs, steps, dropped, hit_cap)
 
         t0 = time.perf_counter()
-        start = self.target_kv.length
-        fed = len(seq) - start
+        v = self.verifier
+        start = v.kv.length
+        del seq[committed:]  # drafts leave the committed sequence until verified
+        ids = v.window(drafts)
+        fed = len(ids)
         # A drafter on the target's features gets them for every fed position (the prefill too).
         rows = fed if self.feed_features and fed != k + 1 else k + 1
-        logits, hidden = self.target_kv.extend(seq[start:], rows, self.feed_features)
+        logits, hidden = v.kv.extend(ids, rows, self.feed_features)
         logits = logits[-(k + 1):]  # [k+1, V]
-        del seq[committed:]  # drafts leave the committed sequence until verified
-        verdict = self._verify(logits, drafts, qs, committed)
+        q = torch.stack(qs) if qs and qs[0] is not None else None
+        threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
+        judged = v.judge(logits, None, drafts, q, threshold, self.spec.relaxed, 0, start)
+        verdict = judged.verdict
         n = verdict.num_accepted
         emitted = drafts[:n] + [verdict.next_token]
-        lps = (emitted_logprobs(logits[..., :self.target.emitted_vocab], emitted, self.top_logprobs)
-               if self.top_logprobs is not None else None)
+        lps = judged.emitted if self.top_logprobs is not None else None
         if self.replay is not None and k and steps:
             self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
                                            self.drafter.lora_version))
         # The caches keep committed + accepted tokens; the new token is fed next round.
-        self.target_kv.rollback(committed + n)
         if self.draft_session is not None:
             self.draft_session.rollback(committed + n)
             if self.feed_features:  # features of the verified positions: up to the last accepted
@@ -256,16 +261,12 @@ class GenerationRun:
         k = tree.main
         del seq[committed:]  # the chain's drafts leave the committed sequence until verified
         t0 = time.perf_counter()
-        start = self.target_kv.length
-        logits = self.target_kv.extend_tree(seq[start:], tree, self.target_dtype)
-        chain_q = qs if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
-        vocab = self.target.emitted_vocab  # as the target service: no id past it is drafted or read
-        logits = logits[..., :vocab]
-        chain_q = [q[..., :vocab] for q in chain_q] if chain_q is not None else None
-        verdict = verify_tree(logits, tree, self.sampling, self.generator, committed, chain_q)
-        path = verdict.path
-        n, n_main = len(path), tree.main_prefix(verdict.path)
-        self.target_kv.keep_path(committed, path)
+        v = self.verifier
+        start = v.kv.length
+        logits = v.kv.extend_tree(v.seq[start:], tree, self.target_dtype)
+        chain_q = torch.stack(qs) if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
+        judged = v.judge_tree(logits, tree, chain_q)
+        n, n_main = judged.verdict.num_accepted, judged.verdict.num_strict
         self.draft_session.rollback(committed + n_main)  # the session's own chain is valid this far
         verify_s = time.perf_counter() - t0
         stats.verify_time_s += verify_s
@@ -273,7 +274,7 @@ class GenerationRun:
             self.costs.observe_target(len(tree) + 1, verify_s)
         self.trees.observe(len(tree) - k, n, n_main)
         stats.record_tree_round(len(tree), n, n_main, [s.entropy for s in steps])
-        tokens = [tree.tokens[i] for i in path] + [verdict.next_token]
+        tokens = judged.accepted + [judged.verdict.next_token]
         if k or dropped is not None:
             self._observe(steps, n_main, tokens[n_main], dropped, hit_cap)
         return self._commit(tokens)
@@ -296,28 +297,11 @@ class GenerationRun:
         self.stats.draft_time_s += w.seconds
         return w.tokens, w.qs, w.steps, w.dropped, w.hit_cap
 
-    def _verify(self, logits: torch.Tensor, drafts: list[int], qs: list, committed: int) -> Verdict:
-        """The window's verdict. Logits past the tokenizer's ids (a padded table's) are never read,
-        in every window, as the target service does (services/target/session.py): the target
-        alone and speculation then agree. No draft holds such an id: prompts are refused one, model
-        drafters give them no mass (fit_vocab), and lookups draft from the prompt and output."""
-        q = torch.stack(qs) if qs and qs[0] is not None else None
-        vocab = self.target.emitted_vocab
-        logits, q = logits[..., :vocab], (q[..., :vocab] if q is not None else None)
-        logits, q, drafts = judged_window(logits, q, drafts, self.sampling, self.grammar, self.seq[:self.prompt_len],
-                                          self.seq[self.prompt_len:committed])
-        threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
-        return verify_window(logits, drafts, q, self.sampling, self.generator, threshold, self.spec.relaxed,
-                             committed)
-
     def _commit(self, new: list[int], lps: list[TokenLogprob] | None = None) -> list[int]:
         """Append verified tokens (and their log-probabilities, lps), honouring EOS,
         max_new_tokens and stop strings exactly."""
         out, self.finish_reason = commit_tokens(new, len(self.seq), self.target.eos_token_ids, self.max_len)
-        out = self._emit(out, lps)
-        if self.grammar is not None:
-            self.grammar.commit(out)
-        return out
+        return self._emit(out, lps)  # the verifier has committed them to the grammar
 
     def _emit(self, out: list[int], lps: list[TokenLogprob] | None) -> list[int]:
         """Append committed tokens, cut after the fewest whose text holds a stop string."""
@@ -370,9 +354,7 @@ class OverlapRun(GenerationRun):
         super().__init__(engine, prompt, sampling, spec, None, logprobs)
         self.trees = None
         self.stats = OverlapStats(**vars(self.stats))
-        self.target_kv.close()  # the verifier holds the target's cache
         self.overlap = Overlap(self, self.stats)
-        self.target_kv = self.overlap.verifier.kv
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.overlap.thread is None and not self.overlap.closed:

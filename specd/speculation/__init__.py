@@ -2,8 +2,9 @@
 
 1. `round.draft_window`: a drafter proposes a window under a stopping policy, which decides
    after every token (specd.policies); `should_draft` may make it a plain step (k = 0).
-2. `round.judged_window`, then specd.verify (chains) or specd.tree (trees): the target's
-   logits for the window, with penalties and grammar applied, give a *verdict*.
+2. `verifier.Verifier` (`round.judged_window`, then specd.verify for chains or specd.tree for
+   trees): the target's logits for the window, with penalties and grammar applied, give a
+   *verdict*, committed to the target's cache; every driver verifies with it.
 3. `round.commit_tokens`: the verdict's tokens appended, cut at EOS or the length; stop
    strings cut the text after (specd.detok).
 4. Feedback: the policy observes the window's outcome (`DraftedWindow.outcome`,
@@ -18,7 +19,8 @@ decides what the target verifies next and what each verdict commits, with PEARL'
 promised plain rounds and rollbacks.
 
 Who moves these steps' events:
-- in process, `specd.engine.GenerationRun`: draft, verify, commit, one after the other;
+- in process, `specd.engine.GenerationRun`: draft (`draft_window`), verify (a Verifier),
+  commit, one after the other;
 - in process with PEARL, `specd.engine.OverlapRun` (`overlap.Overlap`): a Proposer on a
   thread of its own, a Sequencer and a Verifier on the caller's;
 - across the services, `services.coordinator.loop.RequestLoop` (streams, timeouts, fallback)

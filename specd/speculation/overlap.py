@@ -28,7 +28,6 @@ import torch
 from specd.logprobs import TokenLogprob
 from specd.speculation.proposer import Commit, Proposer, Token, WindowEnd
 from specd.speculation.sequencer import Chunk, Sequencer
-from specd.speculation.verifier import Verifier
 from specd.stats import GenerationStats
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,8 @@ class Overlap:
         self.run, self.stats = run, stats
         self.stall_s = DRAFT_STALL_S if stall_s is None else stall_s
         self.features = run.feed_features
-        self.verifier = Verifier(target, list(run.seq), sampling, self.features, run.top_logprobs, run.grammar)
+        self.verifier = run.verifier  # the run's: its cache, grammar and log-probabilities
+        self.verifier.features = self.features  # and the committed positions' hidden states for the drafter
         self.send_q = not sampling.greedy and run.drafter.has_distribution
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.proposer = Proposer(run.draft_session, run.policy, sampling, list(run.seq), max_length=run.max_len,

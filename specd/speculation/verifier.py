@@ -2,8 +2,8 @@
 sequence, its KV cache and, for unseeded sampling, its random generator; each window a
 verdict. After each verification the cache keeps the committed tokens plus the accepted drafts;
 the recovered or bonus token is fed with the next window (engine.py's invariant,
-docs/engine.md, "The round"). The target service (services.target.session) and PEARL in
-process (specd.speculation.overlap) verify with it."""
+docs/engine.md, "The round"). Every driver verifies with it: the engine (specd.engine), PEARL in
+process (specd.speculation.overlap) and the target service (services.target.session)."""
 
 from __future__ import annotations
 

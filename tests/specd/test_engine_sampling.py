@@ -249,10 +249,10 @@ def test_hybrid_trees_sample_the_target(pair):
 def test_pearl_in_process_samples_the_target(pair):
     """PEARL's rounds (specd.speculation.overlap): drafts verified in chunks while the next
     window is drafted on another thread, kept past a chunk only where they equal the target's
-    token. Four tokens a run, so the second is reached through drafts as well as plain steps."""
+    token. Three tokens a run, so the second is reached through drafts as well as plain steps."""
     target, draft = pair
     engine = SpeculativeEngine(target, HfDrafter(draft, target))
-    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
     joint = exact_two_token(target.model, params)
     first, second = Counter(), Counter()
     drafted = accepted = 0

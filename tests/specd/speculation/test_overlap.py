@@ -128,3 +128,17 @@ def test_rounds_with_nothing_to_overlap_run_sequentially(models, spec, reference
         assert type(run) is GenerationRun
     finally:
         run.close()
+
+
+def test_log_probabilities_are_the_sequential_runs(models):
+    """Each emitted token's log-probability comes from the verifier's judging, cut with the tokens
+    at the length; both equal the sequential engine's."""
+    target, _, noisy = models
+    engine = SpeculativeEngine(target, HfDrafter(noisy, target))
+    sampling = SamplingParams(max_new_tokens=30)
+    want = engine.generate(PROMPT, sampling, K4, logprobs=2)
+    got = engine.generate(PROMPT, sampling, K4, logprobs=2, overlap=True)
+    assert got.token_ids == want.token_ids and got.stats.to_dict()["overlap"]
+    assert len(got.logprobs) == len(want.logprobs) == 30
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-4)
