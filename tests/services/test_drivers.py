@@ -22,6 +22,7 @@ from specd.drafters import build_drafter
 from specd.engine import OverlapRun, SpeculativeEngine
 from specd.types import SamplingParams, SpecParams
 from tests.services.conftest import Service, draft_service
+from tests.specd.drafters.faults import Faulty, dies_after
 
 DRIVERS = ["engine", "engine-pearl", "services", "services-pearl", "drafting-on-target", "trees"]
 WITH_DRAFT_SERVICE = {"services", "services-pearl", "trees"}
@@ -56,7 +57,7 @@ class Drivers:
         if driver in ("engine", "engine-pearl"):
             drafter = build_drafter("hf", self.draft, self.draft)
             if kill_draft_after is not None:
-                drafter = Dying(drafter, kill_draft_after)
+                drafter = Faulty(drafter, dies_after(kill_draft_after))
             engine = SpeculativeEngine(self.target, drafter)
             run = engine.start(self.ids(text), sampling, spec, overlap=driver == "engine-pearl")
             try:
@@ -103,30 +104,6 @@ async def _generate(target_addr: str, draft_addr: str | None, request: GenerateR
     finally:
         await coord.close()
     return ids, finish.finish_reason, finish.spec_stats
-
-
-class Dying:
-    """A real drafter whose sessions fail after `steps` draft steps (a draft that dies in process)."""
-
-    def __init__(self, drafter, steps: int):
-        self.drafter, self.steps = drafter, steps
-
-    def __getattr__(self, name):
-        return getattr(self.drafter, name)
-
-    def open(self, vocab_size: int):
-        session, left = self.drafter.open(vocab_size), [self.steps]
-
-        class Session:
-            def __getattr__(self, name):
-                return getattr(session, name)
-
-            def next(self, *args, **kwargs):
-                left[0] -= 1
-                if left[0] < 0:
-                    raise RuntimeError("the draft died")
-                return session.next(*args, **kwargs)
-        return Session()
 
 
 EOS_AT = 12  # the greedy answer to PROMPT ends here, inside a window

@@ -16,6 +16,7 @@ from specd.engine import GenerationRun, OverlapRun, SpeculativeEngine
 from specd.runtime.tiny import loaded, perturbed, tiny_llama
 from specd.speculation import overlap
 from specd.types import SamplingParams, SpecParams
+from tests.specd.drafters.faults import Faulty
 
 PROMPT = [5, 9, 2, 7, 11, 3]
 K4 = SpecParams("constant", policy_params={"k": 4})
@@ -42,28 +43,6 @@ def pearl(engine: SpeculativeEngine, sampling: SamplingParams, spec: SpecParams 
     finally:
         run.close()
     return run
-
-
-class Slow:
-    """A real drafter whose every draft step first waits `seconds` (a draft that stalls)."""
-
-    def __init__(self, drafter, seconds: float):
-        self.drafter, self.seconds = drafter, seconds
-
-    def __getattr__(self, name):
-        return getattr(self.drafter, name)
-
-    def open(self, vocab_size: int):
-        session, seconds = self.drafter.open(vocab_size), self.seconds
-
-        class Session:
-            def __getattr__(self, name):
-                return getattr(session, name)
-
-            def next(self, *args, **kwargs):
-                time.sleep(seconds)
-                return session.next(*args, **kwargs)
-        return Session()
 
 
 def test_the_next_window_drafted_during_verification_is_kept_when_its_first_draft_is_the_bonus(models):
@@ -94,7 +73,7 @@ def test_a_drafter_that_stalls_leaves_the_target_alone(models, monkeypatch):
     target, _, noisy = models
     monkeypatch.setattr(overlap, "DRAFT_STALL_S", 0.05)
     sampling = SamplingParams(max_new_tokens=12)
-    run = pearl(SpeculativeEngine(target, Slow(HfDrafter(noisy, target), 0.5)), sampling)
+    run = pearl(SpeculativeEngine(target, Faulty(HfDrafter(noisy, target), lambda step: time.sleep(0.5))), sampling)
     assert run.result().token_ids == alone(target, sampling)
     assert run.stats.fallback and run.stats.fallback_kind == "stalled"
     assert run.stats.drafted == 0
