@@ -9,10 +9,10 @@ from services.common.convert import (
     top_logprobs_from_proto,
 )
 from services.draft.core import DraftOpen, TargetCosts
-from services.draft.runner import Ack, Commit, Token, WindowEnd
 from services.proto.specd.draft.v1 import draft_pb2
 from specd.errors import InvalidRequest
 from specd.policies import NO_SPECULATION, check_spec
+from specd.speculation.proposer import Ack, Commit, Token, WindowEnd
 from specd.types import SpecParams
 
 REASONS = {

@@ -24,13 +24,14 @@ from services.common.replay import RedisDVI
 from services.common.state import REDIS_ERRORS
 from services.draft.learning import OnlineLearning
 from services.draft.metrics import DraftMetrics
-from services.draft.runner import Commit, DraftRunner, Token, WindowEnd
+from services.draft.runner import DraftRunner
 from specd.cost_model import DRAFT, CostModel
 from specd.costs import CostCurve, measure_t_draft, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.policies import PolicyResources, request_policy
 from specd.runtime.loading import LoadedModel
+from specd.speculation.proposer import Commit, Token, WindowEnd
 from specd.tree import TreePlanner, tree_shape
 from specd.types import SamplingParams, SpecParams
 

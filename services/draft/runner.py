@@ -17,11 +17,9 @@ from services.common.batcher import StepBatcher
 from specd.drafters.base import DraftSession
 from specd.dvi import Record
 from specd.policies import StoppingPolicy
-from specd.speculation.proposer import Ack, Commit, Proposer, Token, WindowEnd
+from specd.speculation.proposer import Commit, Proposer
 from specd.tree import TreePlanner
 from specd.types import SamplingParams
-
-__all__ = ["Ack", "Commit", "DraftRunner", "Token", "WindowEnd"]
 
 
 class DraftRunner(Proposer):

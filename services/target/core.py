@@ -31,13 +31,14 @@ from services.common.metrics import RpcMetrics, new_registry
 from services.target.admission import FAIR_SHARE_RESERVE, TargetAdmission
 from services.target.drafting import Closed, LocalDrafting, LocalSpec, local_cost_curve
 from services.target.metrics import TargetMetrics
-from services.target.session import Judged, TargetSession
+from services.target.session import TargetSession
 from specd.cost_model import TARGET, CostModel
 from specd.costs import LoadFit, measure_t_draft, measure_t_target, synthetic_prefix
 from specd.drafters.base import Drafter
 from specd.errors import Idle, InvalidRequest, ModelError, Overloaded
 from specd.grammar import Grammar
 from specd.runtime.loading import LoadedModel
+from specd.speculation.verifier import Judged
 from specd.types import SamplingParams
 from specd.verify import Verdict
 

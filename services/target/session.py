@@ -8,10 +8,8 @@ import asyncio
 
 from specd.grammar import Grammar
 from specd.runtime.loading import LoadedModel
-from specd.speculation.verifier import MAX_TOP_LOGPROBS, Judged, Verifier
+from specd.speculation.verifier import Verifier
 from specd.types import SamplingParams
-
-__all__ = ["MAX_TOP_LOGPROBS", "Judged", "TargetSession"]
 
 
 class TargetSession(Verifier):

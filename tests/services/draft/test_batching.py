@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from services.common.batcher import StepBatcher
-from services.draft.runner import Commit, DraftRunner, Token
+from services.draft.runner import DraftRunner
 from specd.drafters.early_exit import EarlyExitDrafter
 from specd.policies import Decision, PolicyParams, StoppingPolicy, build_policy
+from specd.speculation.proposer import Commit, Token
 from specd.types import SamplingParams
 
 PROMPTS = [[5, 9, 14, 20, 33], [40, 7, 11, 3, 8, 21, 30]]

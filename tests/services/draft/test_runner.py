@@ -10,9 +10,10 @@ from concurrent.futures import Executor, Future
 
 import pytest
 
-from services.draft.runner import Ack, Commit, DraftRunner, Token, WindowEnd
+from services.draft.runner import DraftRunner
 from specd.drafters.base import DraftSession, DraftToken
 from specd.policies import Decision, PolicyParams, StoppingPolicy, build_policy
+from specd.speculation.proposer import Ack, Commit, Token, WindowEnd
 from specd.types import RoundOutcome, SamplingParams
 
 PROMPT = [1, 2, 3]

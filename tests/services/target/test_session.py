@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.target.session import MAX_TOP_LOGPROBS, TargetSession
+from services.target.session import TargetSession
 from specd.errors import InvalidRequest
+from specd.speculation.verifier import MAX_TOP_LOGPROBS
 from specd.types import SamplingParams
 
 GREEDY, SAMPLED = SamplingParams(max_new_tokens=8), SamplingParams(temperature=1.0, max_new_tokens=8)
