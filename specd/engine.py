@@ -9,7 +9,9 @@ One round:
   3. verification keeps the first n drafts and yields one recovered or bonus token;
   4. both KV caches roll back to committed + accepted; the policy observes the outcome.
 With no drafter (policy "none") or an empty window a round is one plain decoding step,
-so target-only decoding is the same loop with k = 0.
+so target-only decoding is the same loop with k = 0. The round is sequenced by
+specd.speculation.driver (PEARL's by specd.speculation.overlap), with the parts the services
+move too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from specd.costs import CostCurve, cached_cost_curve, measure_cost_curve
 from specd.detok import TextStream, first_stop
 from specd.drafters.base import Drafter
-from specd.dvi import ReplayStream, judged_records
+from specd.dvi import ReplayStream
 from specd.errors import InvalidRequest
 from specd.runtime.loading import LoadedModel
 from specd.grammar import Grammar
@@ -38,15 +40,15 @@ from specd.policies import (
     check_spec,
     request_policy,
 )
+from specd.speculation.driver import RoundDriver
 from specd.speculation.overlap import Overlap, OverlapStats
-from specd.speculation.pace import PaceClock
-from specd.speculation.round import commit_tokens, draft_window, validate_prompt
+from specd.speculation.round import validate_prompt
 from specd.speculation.verifier import Verifier
 from specd.sampling import request_generator
 from specd.state import MemoryStateStore, StateKey, StateStore, StateUpdate
 from specd.stats import GenerationStats
-from specd.tree import TREE_MAX_FED, DraftTree, TreePlanner, tree_shape
-from specd.types import DraftStep, RoundOutcome, SamplingParams, SpecParams
+from specd.tree import TreePlanner, tree_shape
+from specd.types import SamplingParams, SpecParams
 
 
 @dataclass
@@ -136,7 +138,7 @@ class GenerationRun:
         self.costs = self.policy.resources.costs if self.policy is not None else None  # refreshed by this run
         self.stats = GenerationStats(spec.policy, self.drafter.kind if self.drafter else None,
                                      prompt_tokens=len(prompt), lossy=spec.relaxed)
-        self.seq = prompt  # committed tokens; drafts are appended during a round
+        self.seq = prompt  # committed tokens
         self.prompt_len = len(prompt)
         self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
         self.generator = request_generator(sampling, target.device)  # the drafter's
@@ -153,14 +155,15 @@ class GenerationRun:
         self.trees = TreePlanner(*shape) if shape[0] and not chains else None
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, where asked
-        self.target_dtype = next(target.model.parameters()).dtype
         self.replay = engine.replay if self.drafter is not None else None
         # Stop strings, found incrementally in the text of each round's new tokens.
         self.stops = TextStream(target.tokenizer, sampling.stop) if sampling.stop else None
         self.finish_reason: str | None = None
-        self.drafter_ran = False  # in the current round (the measured pace's split)
-        self.pace = PaceClock(self.policy)  # rounds timed from their start (specd.speculation.pace)
         self.started = time.perf_counter()
+        self.driver = self._driver()
+
+    def _driver(self) -> RoundDriver:
+        return RoundDriver(self, self.stats)
 
     # -- setup ------------------------------------------------------------------------------
     def _build_policy(self, reference) -> tuple[StoppingPolicy | None, Drafter | None]:
@@ -177,131 +180,17 @@ class GenerationRun:
         self.policy_start = dict(state)  # what close() folds this request's learning into the store against
         return request_policy(spec, state, resources, lambda: engine.costs), engine.drafter
 
-    # -- the loop ---------------------------------------------------------------------------
+    def tree_costs(self) -> CostCurve:
+        """The cost curve draft trees are priced on: this run's, else the engine's."""
+        return self.costs if self.costs is not None else self.engine.costs
+
+    # -- the loop (specd.speculation.driver) ------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
         while self.finish_reason is None:
-            new = self._round()
+            emitted, self.finish_reason, lps = self.driver.round()
+            new = self._emit(emitted, lps)
             if new:
                 yield new
-
-    def _round(self) -> list[int]:
-        """One round, timed for the policy's measured pace from its start (not the caller's time
-        between rounds) to its commit."""
-        self.pace.start()
-        self.drafter_ran = False
-        new = self._speculate()
-        self.pace.commit(len(new), self.drafter_ran)
-        return new
-
-    def _speculate(self) -> list[int]:
-        seq, stats = self.seq, self.stats
-        committed = len(seq)
-        drafts, qs, steps, dropped, hit_cap = self._draft(committed)
-        k = len(drafts)
-        # Not with a long prefill: a long prompt's forward keeps its plain causal mask.
-        if self.trees is not None and committed - self.target_kv.length <= TREE_MAX_FED:
-            t0 = time.perf_counter()
-            tree = self._tree(committed, drafts)
-            stats.draft_time_s += time.perf_counter() - t0  # the alternatives' lookups are drafting
-            if len(tree) > k:
-                return self._tree_round(committed, tree, qs, steps, dropped, hit_cap)
-
-        t0 = time.perf_counter()
-        v = self.verifier
-        start = v.kv.length
-        del seq[committed:]  # drafts leave the committed sequence until verified
-        ids = v.window(drafts)
-        fed = len(ids)
-        # A drafter on the target's features gets them for every fed position (the prefill too).
-        rows = fed if self.feed_features and fed != k + 1 else k + 1
-        logits, hidden = v.kv.extend(ids, rows, self.feed_features)
-        logits = logits[-(k + 1):]  # [k+1, V]
-        q = torch.stack(qs) if qs and qs[0] is not None else None
-        threshold = self.policy.relaxed_threshold() if self.spec.relaxed else None
-        judged = v.judge(logits, None, drafts, q, threshold, self.spec.relaxed, 0, start)
-        verdict = judged.verdict
-        n = verdict.num_accepted
-        emitted = drafts[:n] + [verdict.next_token]
-        lps = judged.emitted if self.top_logprobs is not None else None
-        if self.replay is not None and k and steps:
-            self.replay.add(judged_records([s.hidden for s in steps], drafts, verdict.num_strict, logits,
-                                           self.drafter.lora_version))
-        # The caches keep committed + accepted tokens; the new token is fed next round.
-        if self.draft_session is not None:
-            self.draft_session.rollback(committed + n)
-            if self.feed_features:  # features of the verified positions: up to the last accepted
-                first = start + fed - rows
-                self.draft_session.observe_target(first, hidden[:committed + n - first])
-        verify_s = time.perf_counter() - t0
-        stats.verify_time_s += verify_s
-        if self.costs is not None and fed == k + 1:  # not the prefill round
-            self.costs.observe_target(fed, verify_s)
-
-        stats.record_round(k, n, verdict.num_strict, verdict.num_relaxed, [s.entropy for s in steps])
-        if steps or dropped is not None:
-            self._observe(steps, verdict.num_strict, verdict.next_token, dropped, hit_cap, verdict.js_distances)
-        return self._commit(emitted, lps)
-
-    def _observe(self, steps: list[DraftStep], num_strict: int, after: int, dropped: DraftStep | None,
-                 hit_cap: bool, js_distances: tuple[float, ...] = ()) -> None:
-        """Tell the policy how its chain fared; `after`: the target's token after the accepted ones."""
-        self.policy.observe(RoundOutcome.judged(steps, num_strict, hit_cap, js_distances, dropped, after))
-
-    # -- draft trees (specd.tree) -----------------------------------------------------------
-    def _tree(self, committed: int, drafts: list[int]) -> DraftTree:
-        """The policy's chain plus the drafter's alternatives (TreePlanner.grow), priced on this
-        run's cost curve."""
-        costs = self.costs if self.costs is not None else self.engine.costs
-        return self.trees.grow(self.draft_session, self.seq[:committed], drafts, self.max_len - committed - 1,
-                               self.sampling, self.stats.mean_accepted_tokens, costs.t_monotone)
-
-    def _tree_round(self, committed: int, tree: DraftTree, qs: list, steps: list[DraftStep],
-                    dropped: DraftStep | None, hit_cap: bool) -> list[int]:
-        seq, stats = self.seq, self.stats
-        k = tree.main
-        del seq[committed:]  # the chain's drafts leave the committed sequence until verified
-        t0 = time.perf_counter()
-        v = self.verifier
-        start = v.kv.length
-        logits = v.kv.extend_tree(v.seq[start:], tree, self.target_dtype)
-        chain_q = torch.stack(qs) if qs and qs[0] is not None else None  # a model drafter's chain keeps its q
-        judged = v.judge_tree(logits, tree, chain_q)
-        n, n_main = judged.verdict.num_accepted, judged.verdict.num_strict
-        self.draft_session.rollback(committed + n_main)  # the session's own chain is valid this far
-        verify_s = time.perf_counter() - t0
-        stats.verify_time_s += verify_s
-        if self.costs is not None and start == committed - 1:  # not the prefill round
-            self.costs.observe_target(len(tree) + 1, verify_s)
-        self.trees.observe(len(tree) - k, n, n_main)
-        stats.record_tree_round(len(tree), n, n_main, [s.entropy for s in steps])
-        tokens = judged.accepted + [judged.verdict.next_token]
-        if k or dropped is not None:
-            self._observe(steps, n_main, tokens[n_main], dropped, hit_cap)
-        return self._commit(tokens)
-
-    def _draft(self, committed: int) -> tuple[list[int], list, list[DraftStep], DraftStep | None, bool]:
-        """Draft one window: (tokens, their q, the policy's steps, a dropped step, hit the cap)."""
-        if self.policy is None:
-            return [], [], [], None, False
-        # A round emits k + 1 tokens: never draft past max_new_tokens or the context.
-        cap = min(self.policy.params.max_draft_tokens, self.max_len - committed - 1)
-        forced = self.grammar.forced(cap) if self.grammar is not None else []
-        if forced:  # what the grammar forces next: drafts with no drafter call and no policy
-            self.stats.grammar_drafted += len(forced)
-            self.seq += forced  # as draft_window appends its drafts, until they are verified
-            return forced, [None] * len(forced), [], None, False
-        want_hidden = self.policy.needs_hidden or self.replay is not None
-        w = draft_window(self.policy, self.draft_session, self.seq, self.sampling, self.generator, cap,
-                         committed - self.prompt_len, want_hidden)
-        self.drafter_ran = w.ran
-        self.stats.draft_time_s += w.seconds
-        return w.tokens, w.qs, w.steps, w.dropped, w.hit_cap
-
-    def _commit(self, new: list[int], lps: list[TokenLogprob] | None = None) -> list[int]:
-        """Append verified tokens (and their log-probabilities, lps), honouring EOS,
-        max_new_tokens and stop strings exactly."""
-        out, self.finish_reason = commit_tokens(new, len(self.seq), self.target.eos_token_ids, self.max_len)
-        return self._emit(out, lps)  # the verifier has committed them to the grammar
 
     def _emit(self, out: list[int], lps: list[TokenLogprob] | None) -> list[int]:
         """Append committed tokens, cut after the fewest whose text holds a stop string."""
@@ -334,6 +223,8 @@ class GenerationRun:
         stats = self.stats
         if self.target_kv.cache is None:
             return
+        if not self.driver.close():
+            self.draft_session = None  # still in a step on the drafting thread, which keeps it
         stats.wall_time_s = time.perf_counter() - self.started
         stats.new_tokens = len(self.generated())
         stats.finish_reason = self.finish_reason or "cancelled"
@@ -352,20 +243,8 @@ class OverlapRun(GenerationRun):
     def __init__(self, engine: SpeculativeEngine, prompt: list[int], sampling: SamplingParams, spec: SpecParams,
                  logprobs: int | None = None):
         super().__init__(engine, prompt, sampling, spec, None, logprobs)
+
+    def _driver(self) -> Overlap:
         self.trees = None
         self.stats = OverlapStats(**vars(self.stats))
-        self.overlap = Overlap(self, self.stats)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self.overlap.thread is None and not self.overlap.closed:
-            self.overlap.start()
-        while self.finish_reason is None:
-            emitted, self.finish_reason, lps = self.overlap.round()
-            new = self._emit(emitted, lps)
-            if new:
-                yield new
-
-    def close(self) -> None:
-        if not self.overlap.close():
-            self.draft_session = None  # still in a step on the drafting thread, which keeps it
-        super().close()
+        return Overlap(self, self.stats)

@@ -1,15 +1,16 @@
 """The speculative round, read top to bottom (docs/engine.md, "The round"):
 
-1. `round.draft_window`: a drafter proposes a window under a stopping policy, which decides
-   after every token (specd.policies); `should_draft` may make it a plain step (k = 0).
+1. `proposer.Proposer` (drafting on the target: `round.draft_window`): a drafter proposes a
+   window under a stopping policy, which decides after every token (specd.policies);
+   `should_draft` may make it a plain step (k = 0), or a stretch of them.
 2. `verifier.Verifier` (`round.judged_window`, then specd.verify for chains or specd.tree for
    trees): the target's logits for the window, with penalties and grammar applied, give a
    *verdict*, committed to the target's cache; every driver verifies with it.
 3. `round.commit_tokens`: the verdict's tokens appended, cut at EOS or the length; stop
    strings cut the text after (specd.detok).
-4. Feedback: the policy observes the window's outcome (`DraftedWindow.outcome`,
-   RoundOutcome.judged) and the round's time (`pace.PaceClock`, one clock for every driver);
-   costs are fed to the process's cost model (specd.cost_model).
+4. Feedback: the policy observes the window's outcome (RoundOutcome.judged, from the
+   Proposer's commit, or `DraftedWindow.outcome`) and the round's time (`pace.PaceClock`,
+   one clock for every driver); costs are fed to the process's cost model (specd.cost_model).
 
 Across a transport (or a thread) the round has three sides, each with no transport in it:
 `proposer.Proposer` drafts windows ahead of the committed sequence under the policy, with
@@ -19,10 +20,10 @@ decides what the target verifies next and what each verdict commits, with PEARL'
 promised plain rounds and rollbacks.
 
 Who moves these steps' events:
-- in process, `specd.engine.GenerationRun`: draft (`draft_window`), verify (a Verifier),
-  commit, one after the other;
-- in process with PEARL, `specd.engine.OverlapRun` (`overlap.Overlap`): a Proposer on a
-  thread of its own, a Sequencer and a Verifier on the caller's;
+- in process, `driver.RoundDriver` (specd.engine.GenerationRun): a Proposer drafting on the
+  caller's thread, a Sequencer and a Verifier, one round after the other;
+- in process with PEARL, `overlap.Overlap` (specd.engine.OverlapRun): the same round with the
+  Proposer on a thread of its own;
 - across the services, `services.coordinator.loop.RequestLoop` (streams, timeouts, fallback)
   around a Sequencer, with `services.draft.runner.DraftRunner` moving a Proposer and
   `services.target` a Verifier per session (`services.target.session.TargetSession`);

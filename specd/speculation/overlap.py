@@ -1,9 +1,8 @@
-"""PEARL in process (Liu et al. 2024, arXiv 2408.11850): a drafting thread proposes windows
-ahead of the committed sequence while the caller's thread verifies, with the same parts the
-services use: the draft side's `Proposer` (lookahead 2: the next window is drafted while this
-one is verified), the `Sequencer` (what to verify next, what a verdict commits) and the
-target side's `Verifier`. Only the transport differs: a queue of the proposer's events, and a
-lock where the draft service has its event loop.
+"""PEARL in process (Liu et al. 2024, arXiv 2408.11850): the round of
+specd.speculation.driver with its `Proposer` on a drafting thread of its own (lookahead 2: the
+next window is drafted while this one is verified) while the caller's thread verifies. Only
+the transport differs from the sequential round: the proposer's events cross in its queue,
+and a lock stands where the draft service has its event loop.
 
 The two threads meet only there. The drafting thread holds the lock while it asks the policy
 and updates the proposer, and releases it for the draft model's step (torch releases the
@@ -23,11 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
-from specd.logprobs import TokenLogprob
-from specd.speculation.proposer import Commit, Proposer, Token, WindowEnd
-from specd.speculation.sequencer import Chunk, Sequencer
+from specd.speculation.driver import RoundDriver
+from specd.speculation.sequencer import Chunk
 from specd.stats import GenerationStats
 
 log = logging.getLogger(__name__)
@@ -52,39 +48,23 @@ class OverlapStats(GenerationStats):
                 "drafted_total": self.drafted_total}
 
 
-class Overlap:
-    """One request's PEARL rounds, driven by its run (specd.engine.OverlapRun): `round()` returns
-    each verification's committed tokens (cut at EOS or the length), with their log-probabilities
-    where asked."""
+class Overlap(RoundDriver):
+    """One request's PEARL rounds, driven by its run (specd.engine.OverlapRun); windows are
+    chains, and the policy is one that drafts (not relaxed, the oracle or DVI)."""
+
+    LOOKAHEAD = 2
 
     def __init__(self, run, stats: OverlapStats, stall_s: float | None = None):
-        target, sampling = run.target, run.sampling
-        self.run, self.stats = run, stats
+        super().__init__(run, stats)
         self.stall_s = DRAFT_STALL_S if stall_s is None else stall_s
-        self.features = run.feed_features
-        self.verifier = run.verifier  # the run's: its cache, grammar and log-probabilities
-        self.verifier.features = self.features  # and the committed positions' hidden states for the drafter
-        self.send_q = not sampling.greedy and run.drafter.has_distribution
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.proposer = Proposer(run.draft_session, run.policy, sampling, list(run.seq), max_length=run.max_len,
-                                 lookahead=2, send_q=self.send_q, publish=self._publish, generator=run.generator)
-        self.proposer.vocab_size = target.emitted_vocab
-        self.rounds = Sequencer(run.seq, max_length=run.max_len, eos=target.eos_token_ids, overlap=True,
-                                drafting=True)
         self.lock = threading.Condition()
-        self.closed = False
-        self.commit_id = 0
         self.thread: threading.Thread | None = None
 
     # -- the drafting thread ----------------------------------------------------------------
     def start(self) -> None:
-        if self.features:  # the prompt's hidden states go to the drafter with the first commit
-            self.verifier.prefill()
+        super().start()
         self.thread = threading.Thread(target=self._draft, name="specd-pearl-draft", daemon=True)
         self.thread.start()
-
-    def _publish(self, event) -> None:
-        self.events.put(event)
 
     def _draft(self) -> None:
         p = self.proposer
@@ -105,6 +85,9 @@ class Overlap:
         except Exception as e:  # noqa: BLE001 - a draft that fails never fails the request
             self.events.put(e)
 
+    def _notify(self) -> None:
+        self.lock.notify_all()
+
     def close(self) -> bool:
         """Stop the drafting thread (after its step in flight, if any); idempotent. False where
         the step has not ended within CLOSE_WAIT_S: the draft session is still in use then, and
@@ -123,37 +106,10 @@ class Overlap:
         return True
 
     # -- the caller's thread ----------------------------------------------------------------
-    def round(self) -> tuple[list[int], str | None, list[TokenLogprob] | None]:
-        """One verification: (the tokens it committed, the finish reason, their log-probabilities)."""
-        chunk = self._next_chunk()
-        drafts = [t.token for t in chunk.drafts]
-        v, stats = self.verifier, self.stats
-        q = torch.stack([t.q for t in chunk.drafts]) if self.send_q and drafts and chunk.drafts[0].q is not None \
-            else None
-        t0 = time.perf_counter()
-        start = v.kv.length
-        ids = v.window(drafts)
-        logits, hidden = v.kv.extend(ids, len(drafts) + 1, self.features)
-        judged = v.judge(logits, hidden, drafts, q, None, False, 0, start)
-        verify_s = time.perf_counter() - t0
-        stats.verify_time_s += verify_s
-        costs = self.run.costs
-        if costs is not None and len(ids) == len(drafts) + 1:  # not the prefill round
-            with self.lock:  # the drafting thread feeds the same cost model
-                costs.observe_target(len(ids), verify_s)
-        verdict = judged.verdict
-        self._take_all()  # what was drafted during the forward: the next window's first draft may be kept
-        c = self.rounds.verified(chunk, verdict.num_accepted, verdict.next_token)
-        stats.record_round(c.k, c.n, verdict.num_strict, c.n - min(c.n, verdict.num_strict),
-                           [t.entropy for t in chunk.drafts])
-        stats.continuations_kept += c.continuation_kept
-        if c.notify and not stats.fallback:
-            self.commit_id += 1
-            with self.lock:
-                self.proposer.commit(Commit(self.commit_id, tuple(c.tokens), c.k, verdict.num_strict,
-                                            verdict.js_distances, features=judged.features))
-                self.lock.notify_all()
-        return c.emitted, c.finish_reason, judged.emitted if self.run.top_logprobs is not None else None
+    def round(self):
+        out = super().round()
+        self.stats.continuations_kept += self.last.continuation_kept
+        return out
 
     def _next_chunk(self) -> Chunk:
         """What to verify now: the proposer's events so far taken in, then waited for while
@@ -168,22 +124,11 @@ class Overlap:
             except queue.Empty:
                 self._fall_back(f"nothing drafted within {self.stall_s} s", "stalled")
 
-    def _take_all(self) -> None:
-        while True:
-            try:
-                self._take(self.events.get_nowait())
-            except queue.Empty:
-                return
-
     def _take(self, event) -> None:
-        if isinstance(event, Token):
-            self.rounds.proposed(event)
-        elif isinstance(event, WindowEnd):
-            self.rounds.window_ended(event, event.relaxed_threshold)
-        elif isinstance(event, Exception):
+        if isinstance(event, Exception):
             self._fall_back(f"the drafter failed: {type(event).__name__}: {event}", "failed")
-        else:  # an Ack
-            self.rounds.acknowledged(event.epoch)
+        else:
+            super()._take(event)
 
     def _fall_back(self, reason: str, kind: str) -> None:
         s = self.stats

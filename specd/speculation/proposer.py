@@ -106,13 +106,16 @@ class Proposer:
                  log_records: Callable[[list[Record]], None] | None = None,
                  adapter_version: Callable[[], int] = lambda: 0,
                  load_caps: tuple[tuple[int, int], ...] = (), trees: TreePlanner | None = None,
-                 t_target: Callable[[float], float] | None = None, generator: torch.Generator | None = None):
+                 t_target: Callable[[float], float] | None = None, generator: torch.Generator | None = None,
+                 round_trip: bool = True):
         """publish: takes each Token, WindowEnd and Ack as it happens.
         load_caps: (sessions, cap) pairs, ascending: with at least `sessions` sessions in the
         target's last forward for this session, a window holds at most `cap` drafts (0: none).
         trees: grows each window into a draft tree (specd.tree), priced on t_target, the target's
         seconds for a forward over n tokens. generator: the drafter's random numbers (default:
-        the request's, specd.sampling.request_generator)."""
+        the request's, specd.sampling.request_generator). round_trip: each round the target asks
+        for pays a round trip to this proposer, which a stretch of plain rounds skips after its
+        first (a transport between them; in process, none)."""
         self.session, self.policy, self.sampling = session, policy, sampling
         self.seq = list(prompt)  # committed tokens, then this proposer's own drafts
         self.prompt_len = len(prompt)
@@ -133,6 +136,7 @@ class Proposer:
         self.draft_seconds = 0.0
         self.generator = generator if generator is not None else request_generator(sampling)
         self.pace = PaceClock(policy)  # rounds timed commit to commit (specd.speculation.pace)
+        self.round_trip = round_trip
         self.load_caps = load_caps
         self.sessions = 1  # in the target forward that verified this session's last chunk
         self.plain_from = self.plain_until = 0  # no drafting in [from, until): a stretch of plain rounds promised
@@ -301,11 +305,12 @@ class Proposer:
         """Time the round that verified from `start`, from the previous commit to this one (the
         first commit also waited for the prompt's prefill and is not timed). Under PEARL a window
         verified in parts is timed per part; a chunk with no window of its own is not timed.
-        Nor is the first round of a stretch of plain rounds: it paid the round trip to ask this
-        service, which the stretch's others skip (the target runs them back to back), so they
-        alone time what a plain stretch costs a token."""
+        Nor, across a transport (round_trip), is the first round of a stretch of plain rounds: it
+        paid the round trip to ask this service, which the stretch's others skip (the target runs
+        them back to back), so they alone time what a plain stretch costs a token."""
         window = next((w for w in self.windows if w.start == start), None)
-        timed = (window is not None and window.stretch <= 1) or (window is None and start < self.plain_until)
+        timed = (window is not None and (window.stretch <= 1 or not self.round_trip)) or \
+            (window is None and start < self.plain_until)
         self.pace.commit(tokens, window is not None and not window.gated, timed)
 
     def _cut_open_window(self, at: int) -> None:

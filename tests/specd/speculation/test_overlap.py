@@ -85,10 +85,10 @@ def test_closing_a_run_mid_request_stops_its_thread_and_frees_both_caches(models
                                                                     overlap=True)
     rounds = iter(run)
     next(rounds)
-    thread = run.overlap.thread
+    thread = run.driver.thread
     assert thread.is_alive()
     run.close()
-    assert not thread.is_alive() and run.overlap.thread is None
+    assert not thread.is_alive() and run.driver.thread is None
     assert run.target_kv.cache is None
     assert not [t for t in threading.enumerate() if t.name == "specd-pearl-draft"]
     run.close()  # idempotent
