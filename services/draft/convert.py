@@ -60,7 +60,8 @@ def commit_from_proto(msg: draft_pb2.Commit) -> Commit:
     if not msg.tokens:
         raise InvalidRequest("tokens", "a commit appends at least the recovered or bonus token")
     return Commit(msg.commit_id, tuple(msg.tokens), msg.num_verified, msg.num_strict,
-                  tuple(msg.js_distances), top, features, msg.other_sessions, msg.other_tokens, msg.side_nodes)
+                  tuple(msg.js_distances), top, features, other_sessions=msg.other_sessions,
+                  other_tokens=msg.other_tokens, side_nodes=msg.side_nodes)
 
 
 def event_to_proto(event) -> draft_pb2.DraftResponse:

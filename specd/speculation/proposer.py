@@ -78,9 +78,10 @@ class Commit:
     # feature drafters: (start, the target's hidden states [n, H]) of the newly committed positions
     features: tuple[int, torch.Tensor] | None = None
     # the load of the target forward that verified it: other sessions and their new tokens
-    other_sessions: int = 0
+    other_sessions: int | None = None  # None: not known (in process), and not observed
     other_tokens: int = 0
     side_nodes: int = 0  # verified as a draft tree with this many side nodes beside the chain
+    other_yield: int | None = None  # the tokens the other sessions emitted, where known
 
 
 @dataclass
@@ -209,6 +210,10 @@ class Proposer:
         decision = self.policy.decide(step)
         if decision is Decision.DROP:
             window.dropped = step
+            # The session's state may hold the dropped token (a lookup's walk goes on past it):
+            # it drafts the next window from the sequence without it.
+            at = len(self.seq)
+            self.rollback_to = at if self.rollback_to is None else min(self.rollback_to, at)
             return self._end(window, "policy")
         self.seq.append(d.token)
         window.tokens.append(d.token)
@@ -260,13 +265,13 @@ class Proposer:
         s, new = self.committed, c.tokens
         n = len(new) - 1
         self._pace(s, len(new))
-        self.sessions = 1 + c.other_sessions
+        self.sessions = 1 + (c.other_sessions or 0)
         self.rounds += 1
         self.accepted += n
         if c.side_nodes and self.trees is not None:
             self.trees.observe(c.side_nodes, n, c.num_strict)
-        if self.policy.resources.costs is not None:
-            self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens)
+        if self.policy.resources.costs is not None and c.other_sessions is not None:
+            self.policy.resources.costs.observe_load(c.other_sessions, c.other_tokens, c.other_yield)
         for i, tok in enumerate(new):
             if i < c.num_verified:  # judged by the target: accepted by the lossless rule or not
                 self.strict[s + i] = i < c.num_strict
