@@ -40,8 +40,8 @@ from specd.policies import (
     check_spec,
     request_policy,
 )
-from specd.speculation.driver import RoundDriver
-from specd.speculation.overlap import Overlap, OverlapStats
+from specd.speculation.driver import RoundDriver, RoundStats
+from specd.speculation.overlap import Overlap
 from specd.speculation.round import validate_prompt
 from specd.speculation.verifier import Verifier
 from specd.sampling import request_generator
@@ -136,8 +136,8 @@ class GenerationRun:
         self.engine, self.target, self.sampling, self.spec = engine, target, sampling, spec
         self.policy, self.drafter = self._build_policy(reference)
         self.costs = self.policy.resources.costs if self.policy is not None else None  # refreshed by this run
-        self.stats = GenerationStats(spec.policy, self.drafter.kind if self.drafter else None,
-                                     prompt_tokens=len(prompt), lossy=spec.relaxed)
+        self.stats = RoundStats(spec.policy, self.drafter.kind if self.drafter else None,
+                                prompt_tokens=len(prompt), lossy=spec.relaxed)
         self.seq = prompt  # committed tokens
         self.prompt_len = len(prompt)
         self.max_len = min(len(prompt) + sampling.max_new_tokens, target.max_context)
@@ -246,5 +246,4 @@ class OverlapRun(GenerationRun):
 
     def _driver(self) -> Overlap:
         self.trees = None
-        self.stats = OverlapStats(**vars(self.stats))
         return Overlap(self, self.stats)

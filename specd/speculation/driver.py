@@ -10,6 +10,9 @@ round returns what it emitted. With no drafter (policy "none") every chunk is em
 decoding step. `specd.speculation.overlap.Overlap` is the same round with the drafting on a
 thread of its own (PEARL).
 
+A drafter that raises never fails the request: the run goes on with the target alone
+(`RoundStats.fallback`), as the services do when a draft service dies.
+
 What the grammar forces next (structured output) is verified as drafts with no drafter call
 and no policy, as drafting on the target does; a long prefill verifies a chain, not a tree
 (its forward keeps the plain causal mask).
@@ -17,10 +20,12 @@ and no policy, as drafting on the target does; a long prefill verifies a chain, 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +36,24 @@ from specd.speculation.sequencer import Chunk, Committed, Sequencer
 from specd.stats import GenerationStats
 from specd.tree import TREE_MAX_FED
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundStats(GenerationStats):
+    """A request's statistics in process, with the keys the services' have besides."""
+    overlap: bool = False  # PEARL (specd.speculation.overlap)
+    fallback: bool = False  # the target finished alone
+    fallback_reason: str = ""
+    fallback_kind: str = ""  # "failed" (the drafter raised) or "stalled" (PEARL: it drafted nothing for stall_s)
+    continuations_kept: int = 0  # PEARL: drafts past a verified chunk that equalled its bonus token
+    drafted_total: int = 0  # every token drafted, verified or not
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "overlap": self.overlap, "fallback": self.fallback,
+                "fallback_reason": self.fallback_reason, "fallback_kind": self.fallback_kind,
+                "continuations_kept": self.continuations_kept, "drafted_total": self.drafted_total}
+
 
 class RoundDriver:
     """`round()` returns each verification's committed tokens (cut at EOS or the length), the
@@ -40,7 +63,7 @@ class RoundDriver:
 
     LOOKAHEAD = 1  # windows drafted ahead of the committed sequence
 
-    def __init__(self, run, stats: GenerationStats):
+    def __init__(self, run, stats: RoundStats):
         target, sampling = run.target, run.sampling
         self.run, self.stats = run, stats
         self.features = run.feed_features
@@ -92,6 +115,7 @@ class RoundDriver:
             chunk, forced = self._next_chunk(), False
         if self.proposer is not None:
             self.stats.draft_time_s = self.proposer.draft_seconds
+            self.stats.drafted_total = self.proposer.num_drafted
         drafts = [t.token for t in chunk.drafts]
         v, stats, k = self.verifier, self.stats, len(drafts)
         q = torch.stack([t.q for t in chunk.drafts]) if self.send_q and drafts and chunk.drafts[0].q is not None \
@@ -153,16 +177,20 @@ class RoundDriver:
             chunk = self.rounds.next_chunk()
             if chunk is not None:
                 return chunk
-            ready = p.prepare() if p is not None else None
-            if ready is None:  # a window the policy gated: ended with nothing drafted
-                self._take_all()
-                if (chunk := self.rounds.next_chunk()) is not None:
-                    return chunk
-                raise RuntimeError("the round has no window to verify and none to draft")
-            window, epoch, seq = ready
-            t0 = time.perf_counter()
-            d = p.next(seq)
-            p.drafted(window, epoch, seq, d, time.perf_counter() - t0)
+            try:
+                if (ready := p.prepare() if p is not None else None) is not None:
+                    window, epoch, seq = ready
+                    t0 = time.perf_counter()
+                    d = p.next(seq)
+                    p.drafted(window, epoch, seq, d, time.perf_counter() - t0)
+                    continue
+            except Exception as e:  # noqa: BLE001 - a draft that fails never fails the request
+                self._failed(e)
+                continue
+            self._take_all()  # a window the policy gated: ended with nothing drafted
+            if (chunk := self.rounds.next_chunk()) is not None:
+                return chunk
+            raise RuntimeError("the round has no window to verify and none to draft")
 
     def _commit(self, c, verdict, judged, side_nodes: int) -> None:
         """Tell the proposer what the verdict committed (it rolls back what disagrees, and feeds
@@ -194,6 +222,19 @@ class RoundDriver:
         elif isinstance(event, WindowEnd):
             self.rounds.window_ended(event, event.relaxed_threshold)
         elif isinstance(event, Exception):
-            raise event
+            self._failed(event)
         else:  # an Ack
             self.rounds.acknowledged(event.epoch)
+
+    # -- a drafter that fails ----------------------------------------------------------------
+    def _failed(self, e: Exception) -> None:
+        log.warning("the drafter failed; the target goes on alone", exc_info=e)
+        self._fall_back(f"the drafter failed: {type(e).__name__}: {e}", "failed")
+
+    def _fall_back(self, reason: str, kind: str) -> None:
+        s = self.stats
+        s.fallback, s.fallback_reason, s.fallback_kind = True, reason, kind
+        self.rounds.stop_drafting()
+        with self.lock:
+            self.closed = True  # no more drafting (a drafting thread stops after its step in flight)
+            self._notify()

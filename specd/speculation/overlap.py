@@ -11,7 +11,7 @@ proposal is then dropped as moot, as in the draft service. The draft session's c
 touched by the drafting thread (a rollback a commit asks for is applied before the next step).
 
 A drafting thread that fails or stalls never fails the request: the run goes on with the
-target alone (`OverlapStats.fallback`), as the services do when a draft service dies.
+target alone (`RoundStats.fallback`), as the services do when a draft service dies.
 """
 
 from __future__ import annotations
@@ -20,32 +20,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
-from specd.speculation.driver import RoundDriver
+from specd.speculation.driver import RoundDriver, RoundStats
 from specd.speculation.sequencer import Chunk
-from specd.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 
 DRAFT_STALL_S = 10.0  # waiting this long on the drafting thread alone: the target alone from here
 CLOSE_WAIT_S = 10.0  # at close, the longest wait for a draft step in flight to end
-
-
-@dataclass
-class OverlapStats(GenerationStats):
-    overlap: bool = True
-    fallback: bool = False
-    fallback_reason: str = ""
-    fallback_kind: str = ""  # "failed" (the drafter raised) or "stalled" (it drafted nothing for stall_s)
-    continuations_kept: int = 0  # drafts past a verified chunk that equalled its bonus token
-    drafted_total: int = 0  # every token the drafting thread drafted, verified or not
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), "overlap": self.overlap, "fallback": self.fallback,
-                "fallback_reason": self.fallback_reason, "fallback_kind": self.fallback_kind,
-                "continuations_kept": self.continuations_kept,
-                "drafted_total": self.drafted_total}
 
 
 class Overlap(RoundDriver):
@@ -54,8 +36,9 @@ class Overlap(RoundDriver):
 
     LOOKAHEAD = 2
 
-    def __init__(self, run, stats: OverlapStats, stall_s: float | None = None):
+    def __init__(self, run, stats: RoundStats, stall_s: float | None = None):
         super().__init__(run, stats)
+        stats.overlap = True
         self.stall_s = DRAFT_STALL_S if stall_s is None else stall_s
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -123,17 +106,3 @@ class Overlap(RoundDriver):
                 self._take(self.events.get(timeout=self.stall_s))
             except queue.Empty:
                 self._fall_back(f"nothing drafted within {self.stall_s} s", "stalled")
-
-    def _take(self, event) -> None:
-        if isinstance(event, Exception):
-            self._fall_back(f"the drafter failed: {type(event).__name__}: {event}", "failed")
-        else:
-            super()._take(event)
-
-    def _fall_back(self, reason: str, kind: str) -> None:
-        s = self.stats
-        s.fallback, s.fallback_reason, s.fallback_kind = True, reason, kind
-        self.rounds.stop_drafting()
-        with self.lock:
-            self.closed = True  # the drafting thread stops after its step in flight
-            self.lock.notify_all()

@@ -1,9 +1,10 @@
 """One scenario suite, run against every driver of the speculative round: in process
-(SpeculativeEngine), sequential and with PEARL; across the services with a draft service, sequential and with PEARL;
-with the target drafting itself (no draft service); and with draft trees. Each scenario's
-greedy and seeded tokens must equal the target decoding alone, in every driver: an end of
-sequence inside a window, a length cut, a stop string across rounds, rollbacks after
-rejected drafts, a draft (service or thread) that dies mid-request, and unseeded sampling."""
+(SpeculativeEngine), sequential and with PEARL; across the services with a draft service,
+sequential and with PEARL; with the target drafting itself (no draft service); and with draft
+trees. Each scenario's greedy and seeded tokens must equal the target decoding alone, in every
+driver: an end of sequence inside a window, a length cut, a stop string across rounds,
+rollbacks after rejected drafts, a draft (service, thread or in-process drafter) that dies
+mid-request, and unseeded sampling."""
 
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def test_unseeded_sampling_runs_to_its_length_or_its_end(drivers, driver):
     assert all(0 <= t < drivers.target.emitted_vocab for t in ids)
 
 
-@pytest.mark.parametrize("driver", sorted(WITH_DRAFT_SERVICE | {"engine-pearl"}))
+@pytest.mark.parametrize("driver", sorted(WITH_DRAFT_SERVICE | {"engine", "engine-pearl"}))
 def test_a_draft_that_dies_mid_request_loses_nothing(drivers, driver):
     sampling = SamplingParams(max_new_tokens=48)
     want, want_reason = drivers.alone(OTHER, sampling)
