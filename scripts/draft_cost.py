@@ -41,7 +41,8 @@ from specd.drafters import build_drafter
 from specd.engine import SpeculativeEngine
 from specd.runtime import load_model
 from specd.policies import PolicyResources, request_policy
-from specd.speculation.round import draft_window
+from specd.speculation.pace import PaceClock
+from specd.speculation.proposer import Commit, Proposer, Token
 from specd.sampling import race_row, request_generator
 from specd.types import SamplingParams, SpecParams
 
@@ -103,29 +104,39 @@ def replay(drafter, policy: str, curve: CostCurve, answers: list[tuple[list[int]
         reference = tuple(answer) if policy == "oracle" else None  # the oracle's knowledge: what the target generates
         rule = request_policy(spec, state, PolicyResources(reference, None), lambda: curve)
         session = drafter.open(vocab_size)
-        generator = request_generator(sampling)
+        events: list = []
+        # The draft side of the round as the target drafts for its sessions (services.target.drafting).
+        proposer = Proposer(session, rule, sampling, list(prompt), max_length=len(prompt) + sampling.max_new_tokens,
+                            lookahead=1, send_q=False, publish=events.append, round_trip=False,
+                            generator=request_generator(sampling))
+        proposer.pace = PaceClock(None)  # priced below on the curve, not timed: alike every run
         seq, at = list(prompt), 0
         while at < len(answer):
             if sampling.coupled:  # the race noise rows verification reads anyway, drawn before the timer
                 for position in range(len(seq), min(len(seq) + RACE_ROWS, len(prompt) + sampling.max_new_tokens)):
                     race_row(sampling.seed, position, vocab_size)
             t0 = time.perf_counter()
-            cap = min(rule.params.max_draft_tokens, len(prompt) + sampling.max_new_tokens - len(seq) - 1)  # the engine's
-            w = draft_window(rule, session, list(seq), sampling, generator, cap, at)
+            asked = False
+            while (ready := proposer.prepare()) is not None:
+                window, epoch, after = ready
+                t1 = time.perf_counter()
+                d = proposer.next(after)
+                proposer.drafted(window, epoch, after, d, time.perf_counter() - t1)
+                asked = True
+            tokens = [e.token for e in events if isinstance(e, Token)]
+            events.clear()
             n = 0
-            while n < len(w.tokens) and at + n < len(answer) and w.tokens[n] == answer[at + n]:
+            while n < len(tokens) and at + n < len(answer) and tokens[n] == answer[at + n]:
                 n += 1
-            # Past an answer's EOS the target's next token is not known: taken as no token (a
-            # dropped draft there counts as rejected), the one place the engine may judge otherwise.
-            after = answer[at + n] if at + n < len(answer) else -1
-            session.rollback(len(seq) + n)
-            outcome = w.outcome(n, after)
-            if outcome is not None:
-                rule.observe(outcome)
+            # Past an answer's EOS the target's next token is not known: that last window is not
+            # observed, the one place the engine may judge otherwise.
+            if at + n < len(answer):
+                proposer.commit(Commit(rounds + 1, tuple(answer[at:at + n + 1]), len(tokens), n))
+                events.clear()
             seconds += time.perf_counter() - t0
-            rule.observe_pace(n + 1, curve.round_time(len(w.tokens)), w.ran)  # priced, not timed: alike every run
-            priced += curve.round_time(len(w.tokens)) + host
-            rounds, drafted, accepted, ran = rounds + 1, drafted + len(w.tokens), accepted + n, ran + w.ran
+            rule.observe_pace(n + 1, curve.round_time(len(tokens)), asked)  # priced, not timed: alike every run
+            priced += curve.round_time(len(tokens)) + host
+            rounds, drafted, accepted, ran = rounds + 1, drafted + len(tokens), accepted + n, ran + asked
             seq += answer[at:at + n + 1]
             at += n + 1
         state = rule.state()

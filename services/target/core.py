@@ -334,9 +334,8 @@ class TargetCore:
         ids, start = session.window(drafts), session.kv.length
 
         def judge(logits: torch.Tensor, hidden: torch.Tensor | None, judged: Verdict | None = None) -> Judged:
-            committed = len(session.seq)
             out = session.judge(logits, hidden, drafts, None, None, False, 0, start, judged)
-            local.judged(committed, out.verdict)
+            local.judged(out.verdict)
             return dataclasses.replace(out, accepted=drafts[:out.verdict.num_accepted], drafted=len(drafts))
 
         return ids, judge, len(drafts) + 1, session.batch_window(drafts, None, False)
@@ -355,7 +354,7 @@ class TargetCore:
             return local_cost_curve(c.value("local_t_draft"), c.value("verify_seconds"), c.value("decode_cost"),
                                     c.value("load_fit"))
 
-        local = LocalDrafting(self.drafter, spec, session.sampling, len(session.seq), self.target.vocab_size, costs)
+        local = LocalDrafting(self.drafter, spec, session.sampling, session.seq, self.target.vocab_size, costs)
         cap = local.policy.params.max_draft_tokens
         if cap > self.config.max_window_tokens:
             local.close()

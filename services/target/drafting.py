@@ -1,14 +1,16 @@
 """A target session's own drafting (OpenTarget.speculate): a lookup drafter (ngram, retrieval)
 drafts each window on the target, between its forwards, under the request's stopping policy,
 so that a round needs no round trip to a draft service (docs/services.md, "Drafting on the
-target"). A window is drafted by specd.speculation.round.draft_window, as in the in-process engine.
+target"). A window is drafted by a specd.speculation.proposer.Proposer, as in the in-process
+engine and the draft service, with nothing ahead (lookahead 1) and no round trip.
 
 Everything here runs on the service's event loop, between forwards: the verdict of a window
-(judged on the compute thread) is kept by `judged` and observed by the policy before the next
-window is drafted."""
+(judged on the compute thread) is kept by `judged` and committed to the proposer, which feeds
+it back to the policy, before the next window is drafted."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specd.costs import CostCurve, LoadFit
@@ -16,9 +18,7 @@ from specd.drafters.base import Drafter
 from specd.errors import InvalidRequest
 from specd.grammar import Grammar
 from specd.policies import NO_SPECULATION, PolicyResources, check_spec, policy_class, request_policy
-from specd.speculation.pace import PaceClock
-from specd.speculation.round import DraftedWindow, draft_window
-from specd.sampling import request_generator
+from specd.speculation.proposer import Commit, Proposer, Token
 from specd.types import SamplingParams, SpecParams
 from specd.verify import Verdict
 
@@ -44,7 +44,7 @@ class Closed:
 
 
 class LocalDrafting:
-    def __init__(self, drafter: Drafter, local: LocalSpec, sampling: SamplingParams, prompt_len: int,
+    def __init__(self, drafter: Drafter, local: LocalSpec, sampling: SamplingParams, prompt: list[int],
                  vocab_size: int, costs):
         """costs(): the cost curve, asked only by a policy that weighs costs (cost-aware)."""
         spec = local.spec
@@ -54,66 +54,67 @@ class LocalDrafting:
         if policy_class(spec.policy).needs_hidden:
             raise InvalidRequest("speculate.policy", f"{spec.policy} reads a draft model's hidden state; "
                                                      f"the target drafts with {drafter.name}, which has none")
-        if local.max_length <= prompt_len:
-            raise InvalidRequest("speculate.max_length", f"must exceed the prompt's {prompt_len} tokens")
+        if local.max_length <= len(prompt):
+            raise InvalidRequest("speculate.max_length", f"must exceed the prompt's {len(prompt)} tokens")
         self.policy = request_policy(spec, dict(local.policy_state), PolicyResources(None, None), costs)
         self.session = drafter.open(vocab_size)
-        self.sampling, self.generator = sampling, request_generator(sampling)
-        self.prompt_len, self.max_length = prompt_len, local.max_length
-        self.window = DraftedWindow()
-        self.verdict: tuple[int, Verdict] | None = None  # (committed before it, the window's verdict), unobserved
+        self.max_length = local.max_length
+        self.events: list = []  # the proposer's, for the window being drafted
+        # Rounds are timed start to start: each commit lands as the next window's drafting starts.
+        self.proposer = Proposer(self.session, self.policy, sampling, list(prompt), max_length=local.max_length,
+                                 lookahead=1, send_q=False, publish=self.events.append, round_trip=False)
+        self.drafts: list[int] = []  # the window being verified
+        self.verdict: Verdict | None = None  # its verdict, not yet committed to the proposer
         self.load: tuple[int, int, int] | None = None  # the last forward's other sessions, their tokens, what they emitted
-        self.pace = PaceClock(self.policy)  # rounds timed start to start (specd.speculation.pace)
-        self.emitted = 0  # tokens the last round emitted
-        self.num_drafted = 0
-        self.grammar_drafted = 0  # of those, drafts the grammar forced (structured output)
-        self.draft_seconds = 0.0
+        self.commit_id = 0
+        self.grammar_drafted = 0  # drafts the grammar forced (structured output)
 
     def draft(self, seq: list[int], grammar: Grammar | None = None) -> list[int]:
         """Start a round: the window after the committed tokens seq (seq itself is kept); where
         the session's grammar forces what follows, those tokens, with no drafter call."""
         self.settle()
-        self.pace.commit(self.emitted, self.window.ran)  # the last round, from its drafting to now
-        self.pace.start()
+        p = self.proposer
+        p.pace.start()
         cap = min(self.policy.params.max_draft_tokens, self.max_length - len(seq) - 1)
-        forced = grammar.forced(cap) if grammar is not None else []
-        if forced:  # no policy step to observe: the next settle finds an empty window
-            self.window = DraftedWindow()
-            self.num_drafted += len(forced)
+        forced = grammar.forced(cap) if grammar is not None and cap > 0 else []
+        if forced:  # drafts with no drafter call and no policy step to observe
             self.grammar_drafted += len(forced)
+            self.drafts = forced
             return forced
-        self.window = draft_window(self.policy, self.session, list(seq), self.sampling, self.generator, cap,
-                                   len(seq) - self.prompt_len)
-        self.num_drafted += len(self.window.tokens)
-        self.draft_seconds += self.window.seconds
-        return self.window.tokens
+        while (ready := p.prepare()) is not None:
+            window, epoch, after = ready
+            t0 = time.perf_counter()
+            d = p.next(after)
+            p.drafted(window, epoch, after, d, time.perf_counter() - t0)
+        self.drafts = [e.token for e in self.events if isinstance(e, Token)]
+        self.events.clear()
+        return self.drafts
 
-    def judged(self, committed: int, verdict: Verdict) -> None:
-        """The window's verdict (on the compute thread, right after its forward): observed at the
-        next settle, on the event loop."""
-        self.verdict = committed, verdict
+    def judged(self, verdict: Verdict) -> None:
+        """The window's verdict (on the compute thread, right after its forward): committed to
+        the proposer at the next settle, on the event loop."""
+        self.verdict = verdict
 
     def settle(self) -> None:
-        """Tell the policy how the last window fared, and the load it was verified under."""
-        if self.load is not None and self.policy.resources.costs is not None:
-            self.policy.resources.costs.observe_load(*self.load)
-            self.load = None
+        """Commit the last window's verdict, with the load it was verified under: the proposer
+        rolls back what it rejected and the policy observes how the window fared."""
         if self.verdict is None:
             return
-        committed, verdict = self.verdict
-        self.verdict = None
-        outcome = self.window.outcome(verdict.num_strict, verdict.next_token)
-        if outcome is not None:
-            self.policy.observe(outcome)
-        self.session.rollback(committed + verdict.num_accepted)
-        self.emitted = verdict.num_accepted + 1
+        v, load = self.verdict, self.load or (None, 0, None)
+        self.verdict = self.load = None
+        self.commit_id += 1
+        self.proposer.commit(Commit(self.commit_id, tuple(self.drafts[:v.num_accepted]) + (v.next_token,),
+                                    len(self.drafts), v.num_strict, other_sessions=load[0], other_tokens=load[1],
+                                    other_yield=load[2]))
+        self.events.clear()  # its Ack: nothing is ahead to acknowledge
 
     def closed(self) -> Closed:
         """What the session ends with: the policy's state to save, what it drafted."""
         self.settle()
+        p = self.proposer
         return Closed(policy_state=self.policy.state(), policy_scale=self.policy.state_scale(),
-                      num_drafted=self.num_drafted,
-                      draft_seconds=self.draft_seconds, grammar_drafted=self.grammar_drafted)
+                      num_drafted=p.num_drafted + self.grammar_drafted, draft_seconds=p.draft_seconds,
+                      grammar_drafted=self.grammar_drafted)
 
     def close(self) -> None:
         self.session.close()

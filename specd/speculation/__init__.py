@@ -1,16 +1,15 @@
 """The speculative round, read top to bottom (docs/engine.md, "The round"):
 
-1. `proposer.Proposer` (drafting on the target: `round.draft_window`): a drafter proposes a
-   window under a stopping policy, which decides after every token (specd.policies);
+1. `proposer.Proposer`: a drafter proposes a window under a stopping policy, which decides after every token (specd.policies);
    `should_draft` may make it a plain step (k = 0), or a stretch of them.
 2. `verifier.Verifier` (`round.judged_window`, then specd.verify for chains or specd.tree for
    trees): the target's logits for the window, with penalties and grammar applied, give a
    *verdict*, committed to the target's cache; every driver verifies with it.
 3. `round.commit_tokens`: the verdict's tokens appended, cut at EOS or the length; stop
    strings cut the text after (specd.detok).
-4. Feedback: the policy observes the window's outcome (RoundOutcome.judged, from the
-   Proposer's commit, or `DraftedWindow.outcome`) and the round's time (`pace.PaceClock`,
-   one clock for every driver); costs are fed to the process's cost model (specd.cost_model).
+4. Feedback: the Proposer's commit tells the policy the window's outcome (RoundOutcome.judged)
+   and the round's time (`pace.PaceClock`, one clock for every driver); costs are fed to the
+   process's cost model (specd.cost_model).
 
 Across a transport (or a thread) the round has three sides, each with no transport in it:
 `proposer.Proposer` drafts windows ahead of the committed sequence under the policy, with
@@ -27,6 +26,7 @@ Who moves these steps' events:
 - across the services, `services.coordinator.loop.RequestLoop` (streams, timeouts, fallback)
   around a Sequencer, with `services.draft.runner.DraftRunner` moving a Proposer and
   `services.target` a Verifier per session (`services.target.session.TargetSession`);
-- drafting on the target, `services.target.drafting.LocalDrafting`: `draft_window` between the
-  target's forwards, its verdicts judged in the batched step (services.common.batcher).
+- drafting on the target, `services.target.drafting.LocalDrafting`: a Proposer per session
+  drafting a window between the target's forwards, its verdicts judged in the batched step
+  (services.common.batcher).
 """

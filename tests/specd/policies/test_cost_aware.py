@@ -227,7 +227,7 @@ def test_a_round_no_window_could_pay_for_asks_the_drafter_nothing():
     step does: even a window of sure drafts loses, so the round is plain without a lookup (the
     drafter's time would be spent for a token the policy then drops)."""
     from specd.drafters import build_drafter
-    from specd.speculation.round import draft_window
+    from specd.speculation.proposer import Proposer
     from specd.types import SamplingParams
 
     calls = []
@@ -239,12 +239,24 @@ def test_a_round_no_window_could_pay_for_asks_the_drafter_nothing():
         return s
 
     seq = [1, 2, 3, 4, 1, 2, 3]  # "1 2 3" was followed by 4: a match to draft from
+
+    def propose(policy):
+        """Whether the round's first draft step ran, and the proposer's events."""
+        events = []
+        p = Proposer(session(), policy, SamplingParams(), list(seq), max_length=64, lookahead=1, send_q=False,
+                     publish=events.append)
+        if (ready := p.prepare()) is None:
+            return False, events
+        window, epoch, after = ready
+        p.drafted(window, epoch, after, p.next(after), 0.0)
+        return True, events
+
     busy = loaded_policy((31, 31))
-    window = draft_window(busy, session(), list(seq), SamplingParams(), None, 8, 0)
-    assert not window.ran and not calls
-    assert busy.plain_rounds() == 1  # the load is looked at again next round
+    ran, events = propose(busy)
+    assert not ran and not calls
+    assert events[0].start == events[0].end and events[0].repeat == 1  # a plain round, the load looked at next round
     for quiet in (loaded_policy((3, 3)), loaded_policy(None)):
-        assert draft_window(quiet, session(), list(seq), SamplingParams(), None, 8, 0).ran
+        assert propose(quiet)[0]
     assert calls
 
 
