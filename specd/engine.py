@@ -67,8 +67,12 @@ class SpeculativeEngine:
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
                  state_store: StateStore | None = None, specdecpp_head: torch.nn.Module | None = None,
                  costs: CostCurve | None = None, costs_cache_dir: Path | None = None,
-                 replay: ReplayStream | None = None):
+                 replay: ReplayStream | None = None, fallback: bool = True):
+        """fallback: a drafter that raises leaves the target alone for the rest of the request
+        (RoundStats.fallback); False raises its error instead (a benchmark, which must not time
+        the target alone as the configuration)."""
         self.target = target
+        self.fallback = fallback
         self.drafter = drafter
         self.state_store = state_store if state_store is not None else MemoryStateStore()
         self.specdecpp_head = specdecpp_head

@@ -185,9 +185,10 @@ class SpecParams:
         check_branch_count(self.branches)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DraftStep:
-    """What a stopping policy sees after each drafted token."""
+    """What a stopping policy sees after each drafted token (built per draft token: not frozen,
+    which is several times slower to build)."""
 
     index: int  # 1-based count of tokens drafted this round, this one included
     position: int  # index of this token among the generated tokens (0 = first generated)

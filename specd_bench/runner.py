@@ -82,7 +82,9 @@ class BenchRun:
         self.configs = build_configs(s, {d: d in models.heads for d in s.drafters}, peer_skips)
         self.engines = {None: SpeculativeEngine(models.target)}
         for kind, drafter in models.drafters.items():
-            self.engines[kind] = SpeculativeEngine(models.target, drafter, specdecpp_head=models.heads.get(kind))
+            # A drafter that fails fails the run: the target alone is not the configuration's speed.
+            self.engines[kind] = SpeculativeEngine(models.target, drafter, specdecpp_head=models.heads.get(kind),
+                                                   fallback=False)
         self.peers = PeerRunner(models.target, models.draft_model, s.cache_dir)
         self.prompt_ids: dict[str, list[int]] = {}
         self.prompt_failures: dict[str, str] = {}  # prompt key -> why it could not be built (no run on it)

@@ -228,6 +228,8 @@ class RoundDriver:
 
     # -- a drafter that fails ----------------------------------------------------------------
     def _failed(self, e: Exception) -> None:
+        if not self.run.engine.fallback:
+            raise e
         log.warning("the drafter failed; the target goes on alone", exc_info=e)
         self._fall_back(f"the drafter failed: {type(e).__name__}: {e}", "failed")
 

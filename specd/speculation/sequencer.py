@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from specd.speculation.round import commit_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Chunk:
     """Drafts to verify from `start`: the tokens (draft-token objects) and, where the chunk is a
     whole window the draft grew into a tree (specd.tree), its side nodes."""
@@ -43,7 +43,7 @@ class Chunk:
     side_parents: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Committed:
     """What a verdict committed: `tokens` verified (accepted drafts, then the recovered or bonus
     token), `emitted` the part of them kept (cut at EOS or the length), the judged window's size

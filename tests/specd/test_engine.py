@@ -314,7 +314,7 @@ def test_requests_that_run_at_once_both_keep_what_they_learned(tiny_target, tiny
 
 
 class VirtualClock:
-    """Time for the engine's timers (`time.perf_counter` in specd.engine and specd.speculation.round) that
+    """Time for the engine's timers (`time.perf_counter` in specd.engine and the round's drivers) that
     passes only as a test says: what a drafted token and a forward cost on its cost curve, so
     that what cost-aware measures does not depend on how loaded the machine is."""
 
@@ -371,14 +371,16 @@ def test_a_cold_start_with_a_wrong_drafter_shrinks_its_windows_within_the_reques
     (so the prior believes it). Within the one request cost-aware learns it: after a few windows
     it drafts none (plain steps) or at most one token, and the output is the target alone's."""
     import specd.engine
+    import specd.speculation.driver
     import specd.speculation.pace
-    import specd.speculation.round
+    import specd.speculation.proposer
 
     step = 2 * t_draft or 0.01  # the curve's one-token forward
     curve = CostCurve(t_draft, list(range(1, 18)), [step * (1 + 0.3 * (k > 1)) for k in range(1, 18)], smoothing=0.0)
     clock = VirtualClock()
     monkeypatch.setattr(specd.engine, "time", clock)
-    monkeypatch.setattr(specd.speculation.round, "time", clock)
+    monkeypatch.setattr(specd.speculation.driver, "time", clock)
+    monkeypatch.setattr(specd.speculation.proposer, "time", clock)
     monkeypatch.setattr(specd.speculation.pace, "time", clock)
     open_session = tiny_target.session
 

@@ -81,7 +81,7 @@ def test_a_request_asking_for_pearl_overlaps_and_equals_the_target_alone(local_b
     stats = finish.spec_stats
     assert stats["overlap"] is True and stats["fallback"] is False and stats["drafted"] > 0
     sequential = _collect(local_backend, dataclasses.replace(request, overlap=None))[-1].spec_stats
-    assert "overlap" not in sequential
+    assert sequential["overlap"] is False and sequential["fallback"] is False
     assert local_backend.active_sessions == 0
 
 
